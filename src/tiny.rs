@@ -230,8 +230,16 @@ impl TinyModelSpec {
         let qk = self.qk_nope_head_dim + self.qk_rope_head_dim;
         push("input_layernorm.weight", vec![h], Kind::Norm);
         push("post_attention_layernorm.weight", vec![h], Kind::Norm);
-        push("self_attn.q_a_proj.weight", vec![self.q_lora_rank, h], Kind::Linear);
-        push("self_attn.q_a_layernorm.weight", vec![self.q_lora_rank], Kind::Norm);
+        push(
+            "self_attn.q_a_proj.weight",
+            vec![self.q_lora_rank, h],
+            Kind::Linear,
+        );
+        push(
+            "self_attn.q_a_layernorm.weight",
+            vec![self.q_lora_rank],
+            Kind::Norm,
+        );
         push(
             "self_attn.q_b_proj.weight",
             vec![heads * qk, self.q_lora_rank],
@@ -242,10 +250,17 @@ impl TinyModelSpec {
             vec![self.kv_lora_rank + self.qk_rope_head_dim, h],
             Kind::Linear,
         );
-        push("self_attn.kv_a_layernorm.weight", vec![self.kv_lora_rank], Kind::Norm);
+        push(
+            "self_attn.kv_a_layernorm.weight",
+            vec![self.kv_lora_rank],
+            Kind::Norm,
+        );
         push(
             "self_attn.kv_b_proj.weight",
-            vec![heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank],
+            vec![
+                heads * (self.qk_nope_head_dim + self.v_head_dim),
+                self.kv_lora_rank,
+            ],
             Kind::Linear,
         );
         push(
@@ -260,23 +275,55 @@ impl TinyModelSpec {
             Kind::Linear,
         );
         push("self_attn.indexer.wk.weight", vec![id, h], Kind::Linear);
-        push("self_attn.indexer.weights_proj.weight", vec![ih, h], Kind::Linear);
+        push(
+            "self_attn.indexer.weights_proj.weight",
+            vec![ih, h],
+            Kind::Linear,
+        );
         push("self_attn.indexer.k_norm.weight", vec![id], Kind::Norm);
         push("self_attn.indexer.k_norm.bias", vec![id], Kind::NormBias);
         if self.is_moe(l) {
             let (e, m) = (self.n_routed_experts, self.moe_intermediate_size);
             push("mlp.gate.weight", vec![e, h], Kind::Router);
-            push("mlp.gate.e_score_correction_bias", vec![e], Kind::RouterBias);
+            push(
+                "mlp.gate.e_score_correction_bias",
+                vec![e],
+                Kind::RouterBias,
+            );
             for x in 0..e {
-                push(&format!("mlp.experts.{x}.gate_proj.weight"), vec![m, h], Kind::Linear);
-                push(&format!("mlp.experts.{x}.up_proj.weight"), vec![m, h], Kind::Linear);
-                push(&format!("mlp.experts.{x}.down_proj.weight"), vec![h, m], Kind::Linear);
+                push(
+                    &format!("mlp.experts.{x}.gate_proj.weight"),
+                    vec![m, h],
+                    Kind::Linear,
+                );
+                push(
+                    &format!("mlp.experts.{x}.up_proj.weight"),
+                    vec![m, h],
+                    Kind::Linear,
+                );
+                push(
+                    &format!("mlp.experts.{x}.down_proj.weight"),
+                    vec![h, m],
+                    Kind::Linear,
+                );
             }
             if self.n_shared_experts > 0 {
                 let s = m * self.n_shared_experts;
-                push("mlp.shared_experts.gate_proj.weight", vec![s, h], Kind::Linear);
-                push("mlp.shared_experts.up_proj.weight", vec![s, h], Kind::Linear);
-                push("mlp.shared_experts.down_proj.weight", vec![h, s], Kind::Linear);
+                push(
+                    "mlp.shared_experts.gate_proj.weight",
+                    vec![s, h],
+                    Kind::Linear,
+                );
+                push(
+                    "mlp.shared_experts.up_proj.weight",
+                    vec![s, h],
+                    Kind::Linear,
+                );
+                push(
+                    "mlp.shared_experts.down_proj.weight",
+                    vec![h, s],
+                    Kind::Linear,
+                );
             }
         } else {
             let i = self.intermediate_size;
@@ -499,7 +546,11 @@ pub fn generate_hf_checkpoint(
                     weight_map.insert(sname.clone(), json!(file));
                     total_size += scale_inv.len() * 4;
                     tensors.push((
-                        TensorSpec::new(sname, Dtype::F32, vec![rows.div_ceil(128), cols.div_ceil(128)]),
+                        TensorSpec::new(
+                            sname,
+                            Dtype::F32,
+                            vec![rows.div_ceil(128), cols.div_ceil(128)],
+                        ),
                         le_bytes_f32(&scale_inv),
                     ));
                     (Dtype::F8_E4M3, codes)
@@ -509,7 +560,10 @@ pub fn generate_hf_checkpoint(
             weight_map.insert(e.name.clone(), json!(file));
             total_size += stored.1.len();
             count += 1;
-            tensors.push((TensorSpec::new(e.name.clone(), stored.0, e.shape.clone()), stored.1));
+            tensors.push((
+                TensorSpec::new(e.name.clone(), stored.0, e.shape.clone()),
+                stored.1,
+            ));
         }
         let path = dir.join(&file);
         write_shard(&path, tensors)?;
@@ -614,7 +668,9 @@ pub fn tokenizer_vocab_len() -> usize {
 /// consecutive code points from U+0100, in byte order (the GPT-2 convention that HF's
 /// `ByteLevel` pre-tokenizer uses).
 fn byte_symbols() -> Vec<char> {
-    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let printable = |b: u32| {
+        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
     let mut next = 0x100u32;
     (0u32..256)
         .map(|b| {

@@ -432,7 +432,10 @@ fn plan_pass(
         for name in names {
             // Resolving validates dtype, FP8 scales and shapes before anything is written.
             let src = SourceTensor::resolve(set, shard, &name)?;
-            let shape = shard.info(&name).map(|i| i.shape.clone()).unwrap_or_default();
+            let shape = shard
+                .info(&name)
+                .map(|i| i.shape.clone())
+                .unwrap_or_default();
             let treatment = classify(pass, &name, &shape, opts);
             match treatment {
                 Treatment::F32 => specs.push(TensorSpec::new(name.clone(), Dtype::F32, shape)),

@@ -31,11 +31,10 @@ impl SourceShard {
         // files; the checkpoint must not be modified while a conversion runs (the same
         // contract as any reader of the checkpoint).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| ConvertError::io(&path, e))?;
-        let (n, metadata) =
-            SafeTensors::read_metadata(&map).map_err(|e| ConvertError::Source {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+        let (n, metadata) = SafeTensors::read_metadata(&map).map_err(|e| ConvertError::Source {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
         let basename = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -178,7 +177,7 @@ impl<'a> SourceTensor<'a> {
             Some(&c) => c,
             None => 1,
         };
-        let rows = if cols == 0 { 0 } else { numel / cols };
+        let rows = numel.checked_div(cols).unwrap_or(0);
         let mut t = SourceTensor {
             name,
             path: &shard.path,
@@ -242,7 +241,12 @@ impl<'a> SourceTensor<'a> {
     }
 
     /// Decodes rows `[r0, r1)` to `f32`, replacing `out`'s contents. Fails on NaN/inf.
-    pub fn decode_rows(&self, r0: usize, r1: usize, out: &mut Vec<f32>) -> Result<(), ConvertError> {
+    pub fn decode_rows(
+        &self,
+        r0: usize,
+        r1: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ConvertError> {
         out.clear();
         let (e0, e1) = (r0 * self.cols, r1 * self.cols);
         match &self.fp8 {

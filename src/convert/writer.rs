@@ -338,10 +338,7 @@ impl Drop for ShardWriter {
 
 /// Writes a complete shard from in-memory tensors (used by the tiny-model generator and
 /// tests). `tensors` yields `(spec, bytes)` pairs.
-pub fn write_shard(
-    path: &Path,
-    tensors: Vec<(TensorSpec, Vec<u8>)>,
-) -> Result<(), WriteError> {
+pub fn write_shard(path: &Path, tensors: Vec<(TensorSpec, Vec<u8>)>) -> Result<(), WriteError> {
     let layout = ShardLayout::new(tensors.iter().map(|(s, _)| s.clone()).collect())?;
     let mut writer = ShardWriter::create(path, layout)?;
     for (spec, bytes) in &tensors {
@@ -406,8 +403,14 @@ mod tests {
         let path = dir.path().join("y.safetensors");
         let layout = ShardLayout::new(vec![TensorSpec::new("a", Dtype::U8, vec![2])]).unwrap();
         let mut w = ShardWriter::create(&path, layout).unwrap();
-        assert!(matches!(w.write("a", &[1, 2, 3]), Err(WriteError::Overflow { .. })));
-        assert!(matches!(w.write("b", &[1]), Err(WriteError::UnknownTensor(_))));
+        assert!(matches!(
+            w.write("a", &[1, 2, 3]),
+            Err(WriteError::Overflow { .. })
+        ));
+        assert!(matches!(
+            w.write("b", &[1]),
+            Err(WriteError::UnknownTensor(_))
+        ));
         w.write("a", &[1]).unwrap();
         assert!(matches!(w.finish(), Err(WriteError::Incomplete { .. })));
         assert!(!tmp_path_for(&path).exists());
