@@ -1,6 +1,6 @@
 //! Writes a tiny random `glm_moe_dsa` checkpoint in the Hugging Face layout.
 //!
-//! `cargo run --release --example make_tiny -- --output DIR --seed N [--dtype bf16|f32|fp8] [--edge-rows]`
+//! `cargo run --release --example make_tiny -- --output DIR --seed N [--dtype bf16|f16|f32|fp8] [--edge-rows]`
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use glm_stream::tiny::{SourceDtype, TinyModelSpec, generate_hf_checkpoint};
 
 fn usage() -> ExitCode {
-    eprintln!("usage: make_tiny --output DIR --seed N [--dtype bf16|f32|fp8] [--edge-rows]");
+    eprintln!("usage: make_tiny --output DIR --seed N [--dtype bf16|f16|f32|fp8] [--edge-rows]");
     ExitCode::from(2)
 }
 
@@ -29,6 +29,7 @@ fn main() -> ExitCode {
                 dtype = match args.next().as_deref() {
                     Some("bf16") => SourceDtype::Bf16,
                     Some("f32") => SourceDtype::F32,
+                    Some("f16") => SourceDtype::F16,
                     Some("fp8") => SourceDtype::Fp8,
                     _ => return usage(),
                 }

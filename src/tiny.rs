@@ -113,6 +113,8 @@ pub enum SourceDtype {
     Bf16,
     /// Everything F32.
     F32,
+    /// Everything F16 except the router bias (F32).
+    F16,
     /// 2-D linear weights (not embed, lm_head, router) as FP8 e4m3 with F32
     /// `weight_scale_inv` per 128×128 block; norms BF16, router bias F32.
     Fp8,
@@ -417,7 +419,11 @@ impl TinyModelSpec {
             "tie_word_embeddings": false,
             "initializer_range": 0.02,
             "use_cache": true,
-            "dtype": match dtype { SourceDtype::F32 => "float32", _ => "bfloat16" },
+            "dtype": match dtype {
+                SourceDtype::F32 => "float32",
+                SourceDtype::F16 => "float16",
+                _ => "bfloat16",
+            },
             "eos_token_id": [ids.endoftext, ids.user, ids.observation],
             "pad_token_id": ids.endoftext,
         });
@@ -479,6 +485,12 @@ fn le_bytes_f32(v: &[f32]) -> Vec<u8> {
 fn le_bytes_bf16(v: &[f32]) -> Vec<u8> {
     v.iter()
         .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+        .collect()
+}
+
+fn le_bytes_f16(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
         .collect()
 }
 
@@ -555,6 +567,7 @@ pub fn generate_hf_checkpoint(
                     ));
                     (Dtype::F8_E4M3, codes)
                 }
+                (SourceDtype::F16, _) => (Dtype::F16, le_bytes_f16(&values)),
                 _ => (Dtype::BF16, le_bytes_bf16(&values)),
             };
             weight_map.insert(e.name.clone(), json!(file));

@@ -147,6 +147,14 @@ fn oracle_identical_bf16_option_matrix() {
 }
 
 #[test]
+fn oracle_identical_f16() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("hf");
+    generate_hf_checkpoint(&src, &edge_spec(), 7, SourceDtype::F16).unwrap();
+    assert_matches_oracle(&src, dir.path(), &opts());
+}
+
+#[test]
 fn oracle_identical_fp8() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("hf");

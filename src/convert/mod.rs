@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use thiserror::Error;
 
-use crate::quant::encode::{EncodeError, QuantScheme, encode_rows};
+use crate::quant::encode::{EncodeError, QuantScheme, encode_rows_parallel};
 use source::{SourceSet, SourceShard, SourceTensor};
 use writer::{ShardLayout, ShardWriter, TensorSpec, WriteError};
 
@@ -573,13 +573,12 @@ fn write_shard(
                 Treatment::Quant(scheme) => {
                     weights.clear();
                     scales.clear();
-                    encode_rows(scheme, &buf, src.cols, &mut weights, &mut scales).map_err(
-                        |source| ConvertError::Encode {
+                    encode_rows_parallel(scheme, &buf, src.cols, &mut weights, &mut scales)
+                        .map_err(|source| ConvertError::Encode {
                             tensor: t.name.clone(),
                             path: shard.path.clone(),
                             source,
-                        },
-                    )?;
+                        })?;
                     w.write(&t.name, &weights)?;
                     w.write(&qs_name, &f32_bytes(&scales))?;
                 }
@@ -601,13 +600,8 @@ fn run_pass(
 ) -> Result<PassReport, ConvertError> {
     let progress_path = out_dir.join(plan.pass.progress_file());
     let params_path = out_dir.join(plan.pass.params_file());
+    // Params were checked against both files by `convert_checkpoint`.
     let mut progress: Progress = read_json(&progress_path)?.unwrap_or_default();
-    if progress_path.exists() {
-        check_params(&progress_path, &progress.params, &plan.params)?;
-    }
-    if let Some(recorded) = read_json::<Value>(&params_path)? {
-        check_params(&params_path, &recorded, &plan.params)?;
-    }
     write_json_atomic(&params_path, &plan.params)?;
     progress.params = plan.params.clone();
     for (source, output) in &plan.entries {
@@ -667,10 +661,14 @@ pub fn convert_checkpoint(
         .collect::<Result<Vec<_>, _>>()?;
     fs::create_dir_all(output).map_err(|e| ConvertError::io(output, e))?;
     for plan in &plans {
-        // Fail on a params mismatch before touching anything.
+        // Fail on a params mismatch (or unreadable bookkeeping) before touching anything.
         let progress_path = output.join(plan.pass.progress_file());
         if let Some(p) = read_json::<Progress>(&progress_path)? {
             check_params(&progress_path, &p.params, &plan.params)?;
+        }
+        let params_path = output.join(plan.pass.params_file());
+        if let Some(recorded) = read_json::<Value>(&params_path)? {
+            check_params(&params_path, &recorded, &plan.params)?;
         }
     }
     for name in COPIED_FILES {

@@ -45,6 +45,10 @@ pub enum EncodeError {
     /// A grouped scheme needs a positive group size.
     #[error("group size must be positive")]
     ZeroGroupSize,
+    /// A worker thread of [`encode_rows_parallel`] panicked (a bug, not an input
+    /// condition).
+    #[error("a quantizer worker thread panicked")]
+    WorkerPanicked,
     /// The input is not a whole number of rows.
     #[error("input of {len} values is not a whole number of rows of width {cols}")]
     PartialRow {
@@ -177,6 +181,52 @@ fn pack_int4(row: &[f32], scale_at: impl Fn(usize) -> f32, out: &mut Vec<u8>) {
         // Odd width: the final high nibble is left at 0x0 (padding).
         out.push(nibble(i));
     }
+}
+
+/// Like [`encode_rows`], splitting large inputs over the available cores (scoped
+/// threads, one contiguous block of rows each). The output is identical to
+/// [`encode_rows`]: rows are independent and the blocks are appended in order.
+pub fn encode_rows_parallel(
+    scheme: QuantScheme,
+    w: &[f32],
+    cols: usize,
+    weights: &mut Vec<u8>,
+    scales: &mut Vec<f32>,
+) -> Result<(), EncodeError> {
+    /// Below this many values a single thread is faster than spawning.
+    const MIN_PARALLEL: usize = 1 << 20;
+    scheme.check(cols)?;
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let rows = w.len() / cols;
+    if threads < 2 || w.len() < MIN_PARALLEL || rows < 2 {
+        return encode_rows(scheme, w, cols, weights, scales);
+    }
+    if w.len() % cols != 0 {
+        return Err(EncodeError::PartialRow { len: w.len(), cols });
+    }
+    let rows_per = rows.div_ceil(threads);
+    type Part = Result<(Vec<u8>, Vec<f32>), EncodeError>;
+    let parts: Vec<Part> = std::thread::scope(|scope| {
+        let handles: Vec<_> = w
+            .chunks(rows_per * cols)
+            .map(|block| {
+                scope.spawn(move || {
+                    let (mut bw, mut bs) = (Vec::new(), Vec::new());
+                    encode_rows(scheme, block, cols, &mut bw, &mut bs).map(|()| (bw, bs))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(Err(EncodeError::WorkerPanicked)))
+            .collect()
+    });
+    for part in parts {
+        let (bw, bs) = part?;
+        weights.extend_from_slice(&bw);
+        scales.extend_from_slice(&bs);
+    }
+    Ok(())
 }
 
 /// Quantizes a whole `[rows, cols]` tensor; returns `(weight bytes, scales)`.
@@ -325,6 +375,24 @@ mod tests {
             for chunk in w.chunks(4 * cols) {
                 encode_rows(scheme, chunk, cols, &mut bw, &mut bs).unwrap();
             }
+            assert_eq!((bw, bs), whole);
+        }
+    }
+
+    #[test]
+    fn parallel_encoding_equals_serial() {
+        let (rows, cols) = (1027, 1100);
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
+        for scheme in [
+            QuantScheme::Int8Row,
+            QuantScheme::Int4Grouped { group_size: 64 },
+        ] {
+            let whole = quantize(scheme, &w, rows, cols).unwrap();
+            let (mut bw, mut bs) = (Vec::new(), Vec::new());
+            encode_rows_parallel(scheme, &w, cols, &mut bw, &mut bs).unwrap();
             assert_eq!((bw, bs), whole);
         }
     }
