@@ -1,0 +1,3 @@
+//! Quantization codecs of the Colibri container.
+
+pub mod encode;
