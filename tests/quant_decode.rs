@@ -2,42 +2,16 @@
 //! written from `docs/colibri-format.md` §3.2 / §3.3, and against the spec's tables.
 
 use glm_stream::quant::{
-    DecodeError, FormatError, FormatQuery, FormatSource, QuantFormat, UnsupportedFormat, decode_row,
-    decode_rows, resolve_format, scales_from_le_bytes,
+    DecodeError, FormatError, FormatQuery, FormatSource, QuantFormat, UnsupportedFormat,
+    decode_row, decode_rows, resolve_format, scales_from_le_bytes,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const ALL_GS: [u32; 8] = [16, 32, 48, 64, 96, 128, 192, 256];
+mod common;
+use common::reference;
 
-/// Reference decoder, one element at a time, straight from §3.2:
-/// int8: `value = float(int8(w[o·I + i])) · s[o]`;
-/// int4: byte `w[o·rb + i/2]`, nibble `(b >> 4·(i%2)) & 15`, `value = float(n − 8) · s[o·ng + i/gs]`.
-fn reference(bits: u8, gs: Option<usize>, rows: usize, cols: usize, w: &[u8], s: &[f32]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows * cols);
-    for o in 0..rows {
-        for i in 0..cols {
-            let v = if bits == 8 {
-                let q = w[o * cols + i] as i8;
-                (q as f32) * s[o]
-            } else {
-                let rb = (cols + 1) / 2;
-                let b = w[o * rb + i / 2];
-                let n = (b >> (4 * (i % 2))) & 15;
-                let scale = match gs {
-                    None => s[o],
-                    Some(g) => {
-                        let ng = (cols + g - 1) / g;
-                        s[o * ng + i / g]
-                    }
-                };
-                ((n as i32 - 8) as f32) * scale
-            };
-            out.push(v);
-        }
-    }
-    out
-}
+const ALL_GS: [u32; 8] = [16, 32, 48, 64, 96, 128, 192, 256];
 
 fn random_scales(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n)
@@ -52,7 +26,11 @@ fn random_scales(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
 fn assert_bits_eq(fast: &[f32], reference: &[f32], what: &str) {
     assert_eq!(fast.len(), reference.len(), "{what}: length");
     for (k, (a, b)) in fast.iter().zip(reference).enumerate() {
-        assert_eq!(a.to_bits(), b.to_bits(), "{what}: element {k}: fast {a} vs reference {b}");
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{what}: element {k}: fast {a} vs reference {b}"
+        );
     }
 }
 
@@ -77,15 +55,28 @@ fn check_format(rng: &mut ChaCha8Rng, format: QuantFormat) {
         let (first, n) = (1, format.rows - 2);
         let mut part = vec![0f32; n * format.cols];
         decode_rows(&format, &w, &s, first, n, &mut part).unwrap();
-        assert_bits_eq(&part, &want[first * format.cols..(first + n) * format.cols], "row range");
+        assert_bits_eq(
+            &part,
+            &want[first * format.cols..(first + n) * format.cols],
+            "row range",
+        );
     }
     let stride = format.row_stride_bytes();
     let groups = format.groups_per_row();
     for r in 0..format.rows {
         let mut row = vec![0f32; format.cols];
-        decode_row(&format, &w[r * stride..(r + 1) * stride], &s[r * groups..(r + 1) * groups], &mut row)
-            .unwrap();
-        assert_bits_eq(&row, &want[r * format.cols..(r + 1) * format.cols], "decode_row");
+        decode_row(
+            &format,
+            &w[r * stride..(r + 1) * stride],
+            &s[r * groups..(r + 1) * groups],
+            &mut row,
+        )
+        .unwrap();
+        assert_bits_eq(
+            &row,
+            &want[r * format.cols..(r + 1) * format.cols],
+            "decode_row",
+        );
     }
 }
 
@@ -152,7 +143,10 @@ fn spec_worked_examples() {
     decode_rows(&f, &[0x9F], &[s], 0, 1, &mut out).unwrap();
     assert_eq!(out, [7.0 * s, 1.0 * s]);
     // An all-0x88 row is zeros, in every int4 layout.
-    for f in [QuantFormat::int4_row(2, 128), QuantFormat::int4_grouped(2, 128, 64)] {
+    for f in [
+        QuantFormat::int4_row(2, 128),
+        QuantFormat::int4_grouped(2, 128, 64),
+    ] {
         let w = vec![0x88u8; f.weight_bytes()];
         let sc = vec![3.5f32; f.scale_count()];
         let mut out = vec![1f32; f.numel()];
@@ -165,7 +159,9 @@ fn spec_worked_examples() {
     let f = QuantFormat::int4_row(1, 16);
     let mut out = [0f32; 16];
     decode_rows(&f, &w, &[1.0], 0, 1, &mut out).unwrap();
-    let want = [0., 0., 2., -2., 2., -2., 4., -4., 4., -4., 6., -6., 6., -6., 7., -7.];
+    let want = [
+        0., 0., 2., -2., 2., -2., 4., -4., 4., -4., 6., -6., 6., -6., 7., -7.,
+    ];
     assert_eq!(out, want);
 }
 
@@ -177,33 +173,61 @@ fn decode_rejects_bad_lengths_without_panicking() {
     let mut out = vec![0f32; f.numel()];
     assert!(matches!(
         decode_rows(&f, &w[1..], &s, 0, 4, &mut out),
-        Err(DecodeError::WeightLength { expected: 260, got: 259, .. })
+        Err(DecodeError::WeightLength {
+            expected: 260,
+            got: 259,
+            ..
+        })
     ));
     assert!(matches!(
         decode_rows(&f, &w, &s[1..], 0, 4, &mut out),
-        Err(DecodeError::ScaleLength { expected: 12, got: 11, .. })
+        Err(DecodeError::ScaleLength {
+            expected: 12,
+            got: 11,
+            ..
+        })
     ));
     assert!(matches!(
         decode_rows(&f, &w, &s, 0, 4, &mut out[1..]),
         Err(DecodeError::OutputLength { .. })
     ));
-    assert!(matches!(decode_rows(&f, &w, &s, 3, 2, &mut out), Err(DecodeError::RowRange { .. })));
+    assert!(matches!(
+        decode_rows(&f, &w, &s, 3, 2, &mut out),
+        Err(DecodeError::RowRange { .. })
+    ));
     assert!(matches!(
         decode_rows(&f, &w, &s, usize::MAX, 2, &mut out),
         Err(DecodeError::RowRange { .. })
     ));
-    assert!(matches!(decode_row(&f, &w[..64], &s[..3], &mut out[..130]), Err(DecodeError::WeightLength { .. })));
-    let bad = QuantFormat { bits: 3, group_size: None, rows: 1, cols: 1 };
-    assert!(matches!(decode_rows(&bad, &[0], &[1.0], 0, 1, &mut [0.0]), Err(DecodeError::Format(_))));
+    assert!(matches!(
+        decode_row(&f, &w[..64], &s[..3], &mut out[..130]),
+        Err(DecodeError::WeightLength { .. })
+    ));
+    let bad = QuantFormat {
+        bits: 3,
+        group_size: None,
+        rows: 1,
+        cols: 1,
+    };
+    assert!(matches!(
+        decode_rows(&bad, &[0], &[1.0], 0, 1, &mut [0.0]),
+        Err(DecodeError::Format(_))
+    ));
     let zero_gs = QuantFormat::int4_grouped(1, 2, 0);
     assert!(decode_row(&zero_gs, &[0], &[1.0], &mut [0.0; 2]).is_err());
 }
 
 #[test]
 fn scales_from_bytes() {
-    let bytes: Vec<u8> = [1.5f32, -2.0, 1e-8].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bytes: Vec<u8> = [1.5f32, -2.0, 1e-8]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     assert_eq!(scales_from_le_bytes(&bytes).unwrap(), vec![1.5, -2.0, 1e-8]);
-    assert_eq!(scales_from_le_bytes(&bytes[..5]), Err(DecodeError::ScaleBytes { len: 5 }));
+    assert_eq!(
+        scales_from_le_bytes(&bytes[..5]),
+        Err(DecodeError::ScaleBytes { len: 5 })
+    );
     // The converter's floor scale is 0x322BCC77.
     assert_eq!(1e-8f32.to_bits(), 0x322B_CC77);
 }
@@ -211,7 +235,15 @@ fn scales_from_bytes() {
 // ---------------------------------------------------------------- resolution
 
 fn query(tensor: &str, nb: u64, ns: u64, rows: usize, cols: usize) -> FormatQuery<'_> {
-    FormatQuery { tensor, weight_bytes: nb, scale_bytes: ns, rows, cols, group_size_hint: None, stamp: None }
+    FormatQuery {
+        tensor,
+        weight_bytes: nb,
+        scale_bytes: ns,
+        rows,
+        cols,
+        group_size_hint: None,
+        stamp: None,
+    }
 }
 
 fn resolve(nb: u64, ns: u64, rows: usize, cols: usize) -> Result<QuantFormat, FormatError> {
@@ -220,17 +252,94 @@ fn resolve(nb: u64, ns: u64, rows: usize, cols: usize) -> Result<QuantFormat, Fo
 
 /// Every row of the §3.1 table: (name, O, I, int8 nb/ns, int4-row nb/ns, g64 nb/ns).
 #[allow(clippy::type_complexity)]
-const TABLE: &[(&str, usize, usize, [u64; 2], Option<[u64; 2]>, Option<[u64; 2]>)] = &[
-    ("embed/lm_head", 154880, 6144, [951_582_720, 619_520], Some([475_791_360, 619_520]), Some([475_791_360, 59_473_920])),
-    ("q_a_proj", 2048, 6144, [12_582_912, 8_192], Some([6_291_456, 8_192]), Some([6_291_456, 786_432])),
-    ("q_b_proj", 16384, 2048, [33_554_432, 65_536], Some([16_777_216, 65_536]), Some([16_777_216, 2_097_152])),
-    ("kv_a_proj_with_mqa", 576, 6144, [3_538_944, 2_304], Some([1_769_472, 2_304]), Some([1_769_472, 221_184])),
-    ("kv_b_proj", 28672, 512, [14_680_064, 114_688], Some([7_340_032, 114_688]), Some([7_340_032, 917_504])),
-    ("o_proj", 6144, 16384, [100_663_296, 24_576], Some([50_331_648, 24_576]), Some([50_331_648, 6_291_456])),
-    ("dense gate/up", 12288, 6144, [75_497_472, 49_152], Some([37_748_736, 49_152]), Some([37_748_736, 4_718_592])),
-    ("dense down", 6144, 12288, [75_497_472, 24_576], Some([37_748_736, 24_576]), Some([37_748_736, 4_718_592])),
-    ("expert gate/up", 2048, 6144, [12_582_912, 8_192], Some([6_291_456, 8_192]), Some([6_291_456, 786_432])),
-    ("expert down", 6144, 2048, [12_582_912, 24_576], Some([6_291_456, 24_576]), Some([6_291_456, 786_432])),
+const TABLE: &[(
+    &str,
+    usize,
+    usize,
+    [u64; 2],
+    Option<[u64; 2]>,
+    Option<[u64; 2]>,
+)] = &[
+    (
+        "embed/lm_head",
+        154880,
+        6144,
+        [951_582_720, 619_520],
+        Some([475_791_360, 619_520]),
+        Some([475_791_360, 59_473_920]),
+    ),
+    (
+        "q_a_proj",
+        2048,
+        6144,
+        [12_582_912, 8_192],
+        Some([6_291_456, 8_192]),
+        Some([6_291_456, 786_432]),
+    ),
+    (
+        "q_b_proj",
+        16384,
+        2048,
+        [33_554_432, 65_536],
+        Some([16_777_216, 65_536]),
+        Some([16_777_216, 2_097_152]),
+    ),
+    (
+        "kv_a_proj_with_mqa",
+        576,
+        6144,
+        [3_538_944, 2_304],
+        Some([1_769_472, 2_304]),
+        Some([1_769_472, 221_184]),
+    ),
+    (
+        "kv_b_proj",
+        28672,
+        512,
+        [14_680_064, 114_688],
+        Some([7_340_032, 114_688]),
+        Some([7_340_032, 917_504]),
+    ),
+    (
+        "o_proj",
+        6144,
+        16384,
+        [100_663_296, 24_576],
+        Some([50_331_648, 24_576]),
+        Some([50_331_648, 6_291_456]),
+    ),
+    (
+        "dense gate/up",
+        12288,
+        6144,
+        [75_497_472, 49_152],
+        Some([37_748_736, 49_152]),
+        Some([37_748_736, 4_718_592]),
+    ),
+    (
+        "dense down",
+        6144,
+        12288,
+        [75_497_472, 24_576],
+        Some([37_748_736, 24_576]),
+        Some([37_748_736, 4_718_592]),
+    ),
+    (
+        "expert gate/up",
+        2048,
+        6144,
+        [12_582_912, 8_192],
+        Some([6_291_456, 8_192]),
+        Some([6_291_456, 786_432]),
+    ),
+    (
+        "expert down",
+        6144,
+        2048,
+        [12_582_912, 24_576],
+        Some([6_291_456, 24_576]),
+        Some([6_291_456, 786_432]),
+    ),
     ("eh_proj", 6144, 12288, [75_497_472, 24_576], None, None),
     ("indexer wq_b", 4096, 2048, [8_388_608, 16_384], None, None),
     ("indexer wk", 128, 6144, [786_432, 512], None, None),
@@ -241,16 +350,28 @@ const TABLE: &[(&str, usize, usize, [u64; 2], Option<[u64; 2]>, Option<[u64; 2]>
 fn glm52_table_resolves_and_matches_descriptors() {
     for &(name, o, i, int8, int4, g64) in TABLE {
         let f8 = QuantFormat::int8_row(o, i);
-        assert_eq!([f8.weight_bytes() as u64, f8.scale_bytes() as u64], int8, "{name} int8 sizes");
+        assert_eq!(
+            [f8.weight_bytes() as u64, f8.scale_bytes() as u64],
+            int8,
+            "{name} int8 sizes"
+        );
         assert_eq!(resolve(int8[0], int8[1], o, i), Ok(f8), "{name} int8");
         if let Some(int4) = int4 {
             let f = QuantFormat::int4_row(o, i);
-            assert_eq!([f.weight_bytes() as u64, f.scale_bytes() as u64], int4, "{name} int4 sizes");
+            assert_eq!(
+                [f.weight_bytes() as u64, f.scale_bytes() as u64],
+                int4,
+                "{name} int4 sizes"
+            );
             assert_eq!(resolve(int4[0], int4[1], o, i), Ok(f), "{name} int4-row");
         }
         if let Some(g64) = g64 {
             let f = QuantFormat::int4_grouped(o, i, 64);
-            assert_eq!([f.weight_bytes() as u64, f.scale_bytes() as u64], g64, "{name} g64 sizes");
+            assert_eq!(
+                [f.weight_bytes() as u64, f.scale_bytes() as u64],
+                g64,
+                "{name} g64 sizes"
+            );
             assert_eq!(resolve(g64[0], g64[1], o, i), Ok(f), "{name} g64");
         }
     }
@@ -276,7 +397,10 @@ fn expert_totals_from_descriptors() {
             .map(|q| q.weight_bytes() + q.scale_bytes())
             .sum()
     };
-    assert_eq!(total(|o, i| QuantFormat::int4_grouped(o, i, 64)), 21_233_664);
+    assert_eq!(
+        total(|o, i| QuantFormat::int4_grouped(o, i, 64)),
+        21_233_664
+    );
     assert_eq!(total(QuantFormat::int4_row), 18_915_328);
     assert_eq!(total(QuantFormat::int8_row), 37_789_696);
 }
@@ -293,7 +417,10 @@ fn o_proj_collision_resolves_to_int8_row() {
     q.stamp = Some("fp8-e4m3-b128");
     assert_eq!(
         resolve_format(&q),
-        Err(FormatError::Unsupported { tensor: "o_proj".into(), format: UnsupportedFormat::Fp8B128 })
+        Err(FormatError::Unsupported {
+            tensor: "o_proj".into(),
+            format: UnsupportedFormat::Fp8B128
+        })
     );
 }
 
@@ -303,7 +430,10 @@ fn gs48_vs_gs64_ambiguity_settled_by_params() {
     let (o, i) = (10usize, 80usize);
     let f = QuantFormat::int4_grouped(o, i, 64);
     let (nb, ns) = (f.weight_bytes() as u64, f.scale_bytes() as u64);
-    assert_eq!(resolve(nb, ns, o, i), Ok(QuantFormat::int4_grouped(o, i, 48)));
+    assert_eq!(
+        resolve(nb, ns, o, i),
+        Ok(QuantFormat::int4_grouped(o, i, 48))
+    );
     let mut q = query("t", nb, ns, o, i);
     q.group_size_hint = Some(64);
     let r = resolve_format(&q).unwrap();
@@ -311,7 +441,10 @@ fn gs48_vs_gs64_ambiguity_settled_by_params() {
     assert_eq!(r.source, FormatSource::ParamsGroupSize);
     // A hint that does not fit the bytes is ignored.
     q.group_size_hint = Some(16);
-    assert_eq!(resolve_format(&q).unwrap().format, QuantFormat::int4_grouped(o, i, 48));
+    assert_eq!(
+        resolve_format(&q).unwrap().format,
+        QuantFormat::int4_grouped(o, i, 48)
+    );
     // Also 129..=144: g64 and g48 both give 3 groups.
     let f = QuantFormat::int4_grouped(4, 130, 64);
     let mut q = query("t", f.weight_bytes() as u64, f.scale_bytes() as u64, 4, 130);
@@ -324,30 +457,76 @@ fn gs48_vs_gs64_ambiguity_settled_by_params() {
 fn candidates_larger_than_width_are_skipped() {
     // I = 20: gs 16 gives 2 groups; gs 32.. would give 1 (= per-row) and are skipped.
     let f = QuantFormat::int4_grouped(3, 20, 16);
-    assert_eq!(resolve(f.weight_bytes() as u64, f.scale_bytes() as u64, 3, 20), Ok(f));
+    assert_eq!(
+        resolve(f.weight_bytes() as u64, f.scale_bytes() as u64, 3, 20),
+        Ok(f)
+    );
     // 3 scales per row at I = 20 fit no candidate → scale count error naming int4-row.
     let err = resolve(30, 36, 3, 20).unwrap_err();
-    assert!(matches!(err, FormatError::ScaleCount { format: "int4-row", expected_bytes: 12, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            FormatError::ScaleCount {
+                format: "int4-row",
+                expected_bytes: 12,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
 fn unsupported_formats_are_refused_by_name() {
     let (o, i) = (2048usize, 6144usize);
     let cases: [(u64, u64, UnsupportedFormat); 5] = [
-        ((o * i.div_ceil(256) * 98) as u64, 4, UnsupportedFormat::E8Lattice),
-        ((o * i.div_ceil(4)) as u64, (4 * o) as u64, UnsupportedFormat::Int2Row),
-        ((o * i.div_ceil(64) * 24) as u64, (4 * o * i.div_ceil(64)) as u64, UnsupportedFormat::Int3G64),
-        ((o * i) as u64, (4 * o.div_ceil(128) * i.div_ceil(128)) as u64, UnsupportedFormat::Fp8B128),
-        ((o * i) as u64, (o.div_ceil(128) * i.div_ceil(128)) as u64, UnsupportedFormat::Fp8Ue8m0),
+        (
+            (o * i.div_ceil(256) * 98) as u64,
+            4,
+            UnsupportedFormat::E8Lattice,
+        ),
+        (
+            (o * i.div_ceil(4)) as u64,
+            (4 * o) as u64,
+            UnsupportedFormat::Int2Row,
+        ),
+        (
+            (o * i.div_ceil(64) * 24) as u64,
+            (4 * o * i.div_ceil(64)) as u64,
+            UnsupportedFormat::Int3G64,
+        ),
+        (
+            (o * i) as u64,
+            (4 * o.div_ceil(128) * i.div_ceil(128)) as u64,
+            UnsupportedFormat::Fp8B128,
+        ),
+        (
+            (o * i) as u64,
+            (o.div_ceil(128) * i.div_ceil(128)) as u64,
+            UnsupportedFormat::Fp8Ue8m0,
+        ),
     ];
     for (nb, ns, want) in cases {
-        let err = resolve_format(&query("model.layers.5.self_attn.q_a_proj.weight", nb, ns, o, i)).unwrap_err();
+        let err = resolve_format(&query(
+            "model.layers.5.self_attn.q_a_proj.weight",
+            nb,
+            ns,
+            o,
+            i,
+        ))
+        .unwrap_err();
         assert_eq!(
             err,
-            FormatError::Unsupported { tensor: "model.layers.5.self_attn.q_a_proj.weight".into(), format: want }
+            FormatError::Unsupported {
+                tensor: "model.layers.5.self_attn.q_a_proj.weight".into(),
+                format: want
+            }
         );
         let msg = err.to_string();
-        assert!(msg.contains(want.name()) && msg.contains("q_a_proj"), "{msg}");
+        assert!(
+            msg.contains(want.name()) && msg.contains("q_a_proj"),
+            "{msg}"
+        );
     }
     for (stamp, want) in [
         ("mxfp4", UnsupportedFormat::Mxfp4),
@@ -358,7 +537,13 @@ fn unsupported_formats_are_refused_by_name() {
     ] {
         let mut q = query("w", 6_291_456, 786_432, o, i);
         q.stamp = Some(stamp);
-        assert_eq!(resolve_format(&q), Err(FormatError::Unsupported { tensor: "w".into(), format: want }));
+        assert_eq!(
+            resolve_format(&q),
+            Err(FormatError::Unsupported {
+                tensor: "w".into(),
+                format: want
+            })
+        );
     }
 }
 
@@ -367,17 +552,39 @@ fn no_match_and_bad_scale_counts() {
     let err = resolve(12_345, 8_192, 2048, 6144).unwrap_err();
     assert_eq!(
         err,
-        FormatError::NoMatch { tensor: "t".into(), weight_bytes: 12_345, scale_bytes: 8_192, rows: 2048, cols: 6144 }
+        FormatError::NoMatch {
+            tensor: "t".into(),
+            weight_bytes: 12_345,
+            scale_bytes: 8_192,
+            rows: 2048,
+            cols: 6144
+        }
     );
     assert!(err.to_string().contains("12345"));
     // int8 bytes with a scale count that is neither per-row nor a block layout.
     let err = resolve(12_582_912, 8_196, 2048, 6144).unwrap_err();
-    assert!(matches!(err, FormatError::ScaleCount { format: "int8-row", expected_bytes: 8192, .. }));
+    assert!(matches!(
+        err,
+        FormatError::ScaleCount {
+            format: "int8-row",
+            expected_bytes: 8192,
+            ..
+        }
+    ));
     // int4 bytes with too few scales.
     let err = resolve(6_291_456, 4, 2048, 6144).unwrap_err();
-    assert!(matches!(err, FormatError::ScaleCount { format: "int4-row", .. }));
+    assert!(matches!(
+        err,
+        FormatError::ScaleCount {
+            format: "int4-row",
+            ..
+        }
+    ));
     // Zero dimension.
-    assert!(matches!(resolve(0, 0, 0, 5), Err(FormatError::EmptyShape { .. })));
+    assert!(matches!(
+        resolve(0, 0, 0, 5),
+        Err(FormatError::EmptyShape { .. })
+    ));
     // Huge shapes saturate/overflow and match nothing, without panicking.
     assert!(resolve(u64::MAX, u64::MAX, usize::MAX, usize::MAX).is_err());
 }
@@ -387,24 +594,66 @@ fn stamps_are_verified() {
     let mut q = query("w", 6_291_456, 786_432, 2048, 6144);
     q.stamp = Some("int4-grouped");
     let r = resolve_format(&q).unwrap();
-    assert_eq!((r.format, r.source), (QuantFormat::int4_grouped(2048, 6144, 64), FormatSource::Stamp));
+    assert_eq!(
+        (r.format, r.source),
+        (
+            QuantFormat::int4_grouped(2048, 6144, 64),
+            FormatSource::Stamp
+        )
+    );
     q.stamp = Some("int8-row");
-    assert!(matches!(resolve_format(&q), Err(FormatError::StampMismatch { .. })));
+    assert!(matches!(
+        resolve_format(&q),
+        Err(FormatError::StampMismatch { .. })
+    ));
     q.stamp = Some("int4-row");
-    assert!(matches!(resolve_format(&q), Err(FormatError::StampMismatch { .. })));
+    assert!(matches!(
+        resolve_format(&q),
+        Err(FormatError::StampMismatch { .. })
+    ));
     q.stamp = Some("bogus-format");
-    assert!(matches!(resolve_format(&q), Err(FormatError::UnknownStamp { .. })));
+    assert!(matches!(
+        resolve_format(&q),
+        Err(FormatError::UnknownStamp { .. })
+    ));
     let mut q = query("w", 6_291_456, 8_192, 2048, 6144);
     q.stamp = Some("int4-row");
-    assert_eq!(resolve_format(&q).unwrap().format, QuantFormat::int4_row(2048, 6144));
+    assert_eq!(
+        resolve_format(&q).unwrap().format,
+        QuantFormat::int4_row(2048, 6144)
+    );
 }
 
 #[test]
 fn descriptor_helpers() {
     let f = QuantFormat::int4_grouped(3, 67, 64);
-    assert_eq!((f.row_stride_bytes(), f.weight_bytes(), f.groups_per_row(), f.scale_count()), (34, 102, 2, 6));
+    assert_eq!(
+        (
+            f.row_stride_bytes(),
+            f.weight_bytes(),
+            f.groups_per_row(),
+            f.scale_count()
+        ),
+        (34, 102, 2, 6)
+    );
     let f = QuantFormat::int8_row(3, 67);
-    assert_eq!((f.row_stride_bytes(), f.weight_bytes(), f.groups_per_row(), f.scale_count()), (67, 201, 1, 3));
+    assert_eq!(
+        (
+            f.row_stride_bytes(),
+            f.weight_bytes(),
+            f.groups_per_row(),
+            f.scale_count()
+        ),
+        (67, 201, 1, 3)
+    );
     let f = QuantFormat::int4_row(3, 67);
-    assert_eq!((f.row_stride_bytes(), f.weight_bytes(), f.groups_per_row(), f.scale_count()), (34, 102, 1, 3));
+    assert_eq!(
+        (
+            f.row_stride_bytes(),
+            f.weight_bytes(),
+            f.groups_per_row(),
+            f.scale_count()
+        ),
+        (34, 102, 1, 3)
+    );
 }
