@@ -545,7 +545,7 @@ fn params_from_progress_file() {
 fn glm52_config() -> serde_json::Value {
     let types: Vec<&str> = (0..78)
         .map(|l| {
-            if l < 3 || (l >= 3 && (l - 2) % 4 == 0) {
+            if l < 3 || (l - 2) % 4 == 0 {
                 "full"
             } else {
                 "shared"

@@ -15,6 +15,8 @@
 //! Tensor bytes are read on demand with `pread` ([`FileExt::read_exact_at`]);
 //! [`ColibriContainer`] is `Sync`, so several threads may read concurrently.
 
+#![forbid(unsafe_code)]
+
 pub mod catalog;
 pub mod config;
 pub mod error;

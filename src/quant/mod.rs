@@ -8,6 +8,8 @@
 //! functions so it can be tested against the spec tables without any file, and
 //! [`decode`] turns the bytes back into `f32` exactly as the spec defines.
 
+#![forbid(unsafe_code)]
+
 pub mod decode;
 pub mod format;
 

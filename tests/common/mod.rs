@@ -19,13 +19,13 @@ pub fn reference(
                 let q = w[o * cols + i] as i8;
                 (q as f32) * s[o]
             } else {
-                let rb = (cols + 1) / 2;
+                let rb = cols.div_ceil(2);
                 let b = w[o * rb + i / 2];
                 let n = (b >> (4 * (i % 2))) & 15;
                 let scale = match gs {
                     None => s[o],
                     Some(g) => {
-                        let ng = (cols + g - 1) / g;
+                        let ng = cols.div_ceil(g);
                         s[o * ng + i / g]
                     }
                 };
