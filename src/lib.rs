@@ -6,4 +6,5 @@ pub mod container;
 pub mod convert;
 pub mod mlx;
 pub mod quant;
+pub mod resident;
 pub mod tiny;
