@@ -7,6 +7,7 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
@@ -69,39 +70,29 @@ impl ShardFiles {
             });
         }
         let mut open = self.open.borrow_mut();
-        if !open.contains_key(&entry.shard) {
-            let file = File::open(&shard.path).map_err(|source| ResidentError::ShardOpen {
-                name: name.to_owned(),
-                path: shard.path.clone(),
-                source,
-            })?;
-            let size = file
-                .metadata()
-                .map_err(|source| ResidentError::ShardOpen {
+        let file = match open.entry(entry.shard) {
+            Entry::Occupied(o) => o.into_mut(),
+            Entry::Vacant(v) => {
+                let open_err = |source| ResidentError::ShardOpen {
                     name: name.to_owned(),
                     path: shard.path.clone(),
                     source,
-                })?
-                .len();
-            if size != shard.file_size {
-                return Err(ResidentError::ShardChanged {
-                    name: name.to_owned(),
-                    path: shard.path.clone(),
-                    reason: format!(
-                        "{size} bytes now, {} bytes when the container was opened",
-                        shard.file_size
-                    ),
-                });
+                };
+                let file = File::open(&shard.path).map_err(open_err)?;
+                let size = file.metadata().map_err(open_err)?.len();
+                if size != shard.file_size {
+                    return Err(ResidentError::ShardChanged {
+                        name: name.to_owned(),
+                        path: shard.path.clone(),
+                        reason: format!(
+                            "{size} bytes now, {} bytes when the container was opened",
+                            shard.file_size
+                        ),
+                    });
+                }
+                v.insert(file)
             }
-            open.insert(entry.shard, file);
-        }
-        let file = open
-            .get(&entry.shard)
-            .ok_or_else(|| ResidentError::ShardChanged {
-                name: name.to_owned(),
-                path: shard.path.clone(),
-                reason: "handle vanished".to_owned(),
-            })?;
+        };
         let offset = entry.offset.saturating_add(start);
         file.read_exact_at(dst, offset)
             .map_err(|source| ResidentError::Read {
