@@ -100,10 +100,24 @@ fn write_dequantized_checkpoint(container: &ColibriContainer, hf_dir: &Path, out
     write_shard(&out.join("model-00001-of-00001.safetensors"), tensors).unwrap();
 }
 
+/// Wide enough that int4 g64 tensors hold several groups per row (at the
+/// default tiny widths one group covers a whole row).
+fn wide_spec() -> TinyModelSpec {
+    TinyModelSpec {
+        hidden_size: 192,
+        moe_intermediate_size: 128,
+        intermediate_size: 320,
+        q_lora_rank: 96,
+        kv_lora_rank: 64,
+        edge_rows: true,
+        ..TinyModelSpec::default()
+    }
+}
+
 fn round_trip(group_size: usize, seed: u64) {
     let work = tempfile::tempdir().unwrap();
     let hf = work.path().join("hf");
-    let spec = TinyModelSpec { edge_rows: true, ..TinyModelSpec::default() };
+    let spec = wide_spec();
     generate_hf_checkpoint(&hf, &spec, seed, SourceDtype::F32).unwrap();
     let first = work.path().join("colibri");
     convert_checkpoint(&hf, &first, &opts(group_size)).unwrap();
@@ -128,6 +142,11 @@ fn round_trip(group_size: usize, seed: u64) {
 
     let checked = check_against_source(&container, &source);
     assert!(checked > 50, "only {checked} quantized tensors");
+    let grouped = container
+        .weights()
+        .filter(|w| matches!(&w.format, WeightFormat::Quantized(r) if r.format.group_size.is_some_and(|g| (g as usize) < r.format.cols)))
+        .count();
+    assert_eq!(grouped > 0, group_size > 0, "{grouped} tensors with several groups per row");
 
     // Converting the dequantized weights again gives the same codes; scales
     // come back exact or within one ulp (fl(fl(qmax·s)/qmax) may differ from s).
