@@ -4,5 +4,6 @@
 
 pub mod convert;
 pub mod mlx;
+pub mod moe;
 pub mod quant;
 pub mod tiny;
