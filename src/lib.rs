@@ -3,6 +3,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod convert;
+pub mod experts;
 pub mod mlx;
 pub mod moe;
 pub mod quant;

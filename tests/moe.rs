@@ -267,7 +267,7 @@ fn plan_groups_rows_and_cuts_waves() {
         .collect();
     assert_eq!(waves, vec![vec![1, 2], vec![5, 7], vec![9]]);
     // Every (row, rank) appears exactly once across jobs.
-    let mut seen = vec![false; 9];
+    let mut seen = [false; 9];
     for job in plan.jobs() {
         for (&r, &k) in job.rows.iter().zip(&job.ranks) {
             let i = (r * 3 + k) as usize;
