@@ -2,6 +2,7 @@
 //! routed experts streamed from SSD into a fixed pool of slab slots.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod container;
 pub mod convert;
 pub mod experts;
 pub mod mlx;

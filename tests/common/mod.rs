@@ -2,6 +2,10 @@
 //! tolerance checks against f64 scalar references.
 #![allow(dead_code)]
 
+mod reference_decode;
+#[allow(unused_imports)]
+pub use reference_decode::reference;
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
