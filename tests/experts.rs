@@ -547,3 +547,59 @@ fn file_source_reads_layout_and_reports_faults() {
         Err(ExpertError::Open { .. })
     ));
 }
+
+#[test]
+fn container_experts_stream_into_slots_byte_exact() {
+    use glm_stream::container::ColibriContainer;
+    use glm_stream::convert::{ConvertOptions, convert_checkpoint};
+    use glm_stream::tiny::{SourceDtype, TinyModelSpec, generate_hf_checkpoint};
+    let dir = tempfile::tempdir().unwrap();
+    let (src, out) = (dir.path().join("hf"), dir.path().join("coli"));
+    generate_hf_checkpoint(&src, &TinyModelSpec::default(), 3, SourceDtype::F32).unwrap();
+    convert_checkpoint(&src, &out, &ConvertOptions::default()).unwrap();
+    let c = ColibriContainer::open(&out).unwrap();
+    let cfg = c.config();
+    let layers: Vec<u32> =
+        (cfg.first_k_dense_replace as u32..cfg.num_hidden_layers as u32).collect();
+    let n = cfg.n_routed_experts.unwrap() as u32;
+    assert!(!layers.is_empty() && n > 0);
+    let source = FileExpertSource::from_container(&c, &layers, true).unwrap();
+    let slot = source.max_slot_bytes();
+    let layouts: Vec<(u32, u32, SlotLayout)> = layers
+        .iter()
+        .flat_map(|&l| (0..n).map(move |e| (l, e)))
+        .map(|(l, e)| (l, e, source.layout(l, e).unwrap().clone()))
+        .collect();
+    let mut scfg = SlabConfig::new(slot, 3); // fewer slots than experts: reuse
+    scfg.alignment = 4096;
+    let mut m = ResidencyManager::new(
+        &scfg,
+        PolicyConfig::new(cfg.num_hidden_layers as u32 + 1, n, 3),
+        Arc::new(source),
+        Arc::new(DirectUpload),
+        2,
+    )
+    .unwrap();
+    for (layer, expert, layout) in &layouts {
+        let lease = m.acquire(*layer, &[*expert], |_, _| Ok(())).unwrap();
+        let h = lease.entries()[0].handle;
+        let infos = c.expert(*layer as usize, *expert as usize).unwrap();
+        for (p, info) in layout.projections.iter().zip(infos) {
+            let w = c.read_entry(&info.entry).unwrap();
+            let got = m
+                .store()
+                .view(h, p.weight_offset, &[w.len() as i32], Dtype::Uint8)
+                .unwrap();
+            assert_eq!(got.to_vec::<u8>().unwrap(), w, "{}", info.name);
+            let s = c.read_entry(info.scales.as_ref().unwrap()).unwrap();
+            let got = m
+                .store()
+                .view(h, p.scale_offset, &[s.len() as i32], Dtype::Uint8)
+                .unwrap();
+            assert_eq!(got.to_vec::<u8>().unwrap(), s, "{} scales", info.name);
+        }
+        lease.release_fenced().unwrap();
+    }
+    let t = m.telemetry().unwrap();
+    assert_eq!(t.misses as usize, layouts.len());
+}

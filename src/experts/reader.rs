@@ -339,6 +339,30 @@ impl FileExpertSource {
         })
     }
 
+    /// A source for every routed expert of `layers` in `container`, with the
+    /// canonical layouts computed from its catalog.
+    pub fn from_container(
+        container: &crate::container::ColibriContainer,
+        layers: &[u32],
+        direct: bool,
+    ) -> Result<Self> {
+        let experts = container.config().n_routed_experts.unwrap_or(0) as u32;
+        let mut layouts = HashMap::new();
+        for &layer in layers {
+            for expert in 0..experts {
+                let ext = super::layout::extents_from_container(container, layer, expert)?;
+                layouts.insert((layer, expert), SlotLayout::plan(layer, expert, &ext)?);
+            }
+        }
+        let files: Vec<PathBuf> = container
+            .catalog()
+            .shards
+            .iter()
+            .map(|s| s.path.clone())
+            .collect();
+        Self::open(&files, layouts, direct)
+    }
+
     /// True when every shard has an uncached descriptor.
     pub fn is_direct(&self) -> bool {
         self.direct && self.shards.iter().all(|s| s.direct.is_some())
