@@ -286,6 +286,65 @@ fn align(v: usize, a: usize) -> Option<usize> {
     Some(v.checked_add(a - 1)? / a * a)
 }
 
+/// The extents of routed expert `(layer, expert)` from an opened container
+/// (file indices are the catalog's shard indices).
+pub fn extents_from_container(
+    container: &crate::container::ColibriContainer,
+    layer: u32,
+    expert: u32,
+) -> Result<ExpertExtents> {
+    let err = |message: String| ExpertError::Layout {
+        layer,
+        expert,
+        message,
+    };
+    let infos = container
+        .expert(layer as usize, expert as usize)
+        .map_err(|e| err(e.to_string()))?;
+    let mut weights = [TensorExtent {
+        file: 0,
+        offset: 0,
+        len: 0,
+    }; 3];
+    let mut scales = weights;
+    let mut formats = [ProjectionFormat {
+        bits: 0,
+        group_size: None,
+        rows: 0,
+        cols: 0,
+    }; 3];
+    for (i, info) in infos.iter().enumerate() {
+        let q = info
+            .quant_format()
+            .ok_or_else(|| err(format!("{} is not quantized", info.name)))?;
+        let s = info
+            .scales
+            .as_ref()
+            .ok_or_else(|| err(format!("{} has no scales", info.name)))?;
+        weights[i] = TensorExtent {
+            file: info.entry.shard,
+            offset: info.entry.offset,
+            len: info.entry.len,
+        };
+        scales[i] = TensorExtent {
+            file: s.shard,
+            offset: s.offset,
+            len: s.len,
+        };
+        formats[i] = ProjectionFormat {
+            bits: q.bits,
+            group_size: q.group_size,
+            rows: q.rows,
+            cols: q.cols,
+        };
+    }
+    Ok(ExpertExtents {
+        weights,
+        scales,
+        formats,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -400,63 +459,4 @@ mod tests {
         e.weights[0].offset = u64::MAX - 3;
         assert!(SlotLayout::plan(4, 9, &e).is_err());
     }
-}
-
-/// The extents of routed expert `(layer, expert)` from an opened container
-/// (file indices are the catalog's shard indices).
-pub fn extents_from_container(
-    container: &crate::container::ColibriContainer,
-    layer: u32,
-    expert: u32,
-) -> Result<ExpertExtents> {
-    let err = |message: String| ExpertError::Layout {
-        layer,
-        expert,
-        message,
-    };
-    let infos = container
-        .expert(layer as usize, expert as usize)
-        .map_err(|e| err(e.to_string()))?;
-    let mut weights = [TensorExtent {
-        file: 0,
-        offset: 0,
-        len: 0,
-    }; 3];
-    let mut scales = weights;
-    let mut formats = [ProjectionFormat {
-        bits: 0,
-        group_size: None,
-        rows: 0,
-        cols: 0,
-    }; 3];
-    for (i, info) in infos.iter().enumerate() {
-        let q = info
-            .quant_format()
-            .ok_or_else(|| err(format!("{} is not quantized", info.name)))?;
-        let s = info
-            .scales
-            .as_ref()
-            .ok_or_else(|| err(format!("{} has no scales", info.name)))?;
-        weights[i] = TensorExtent {
-            file: info.entry.shard,
-            offset: info.entry.offset,
-            len: info.entry.len,
-        };
-        scales[i] = TensorExtent {
-            file: s.shard,
-            offset: s.offset,
-            len: s.len,
-        };
-        formats[i] = ProjectionFormat {
-            bits: q.bits,
-            group_size: q.group_size,
-            rows: q.rows,
-            cols: q.cols,
-        };
-    }
-    Ok(ExpertExtents {
-        weights,
-        scales,
-        formats,
-    })
 }
