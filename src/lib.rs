@@ -4,6 +4,8 @@
 
 pub mod container;
 pub mod convert;
+pub mod experts;
 pub mod mlx;
+pub mod moe;
 pub mod quant;
 pub mod tiny;

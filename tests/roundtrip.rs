@@ -29,8 +29,16 @@ fn read_f32_checkpoint(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
         let bytes = fs::read(&path).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         for (name, view) in st.tensors() {
-            assert_eq!(view.dtype(), Dtype::F32, "{name}: the generator was asked for F32");
-            let vals = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            assert_eq!(
+                view.dtype(),
+                Dtype::F32,
+                "{name}: the generator was asked for F32"
+            );
+            let vals = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
             out.insert(name, (view.shape().to_vec(), vals));
         }
     }
@@ -45,20 +53,33 @@ fn scale_of(f: &QuantFormat, scales: &[f32], o: usize, i: usize) -> f32 {
 }
 
 fn opts(group_size: usize) -> ConvertOptions {
-    ConvertOptions { group_size, progress: false, ..ConvertOptions::default() }
+    ConvertOptions {
+        group_size,
+        progress: false,
+        ..ConvertOptions::default()
+    }
 }
 
 /// Checks each weight of `container` against the source and returns how many
 /// quantized tensors were checked.
-fn check_against_source(container: &ColibriContainer, source: &HashMap<String, (Vec<usize>, Vec<f32>)>) -> usize {
+fn check_against_source(
+    container: &ColibriContainer,
+    source: &HashMap<String, (Vec<usize>, Vec<f32>)>,
+) -> usize {
     let mut quantized = 0;
     for info in container.weights() {
-        let (_, src) = source.get(&info.name).unwrap_or_else(|| panic!("{} is not in the source", info.name));
+        let (_, src) = source
+            .get(&info.name)
+            .unwrap_or_else(|| panic!("{} is not in the source", info.name));
         let (got, [rows, cols]) = container.dequantize(&info.name).unwrap();
         assert_eq!(got.len(), src.len(), "{}", info.name);
         match &info.format {
             WeightFormat::Float { .. } => {
-                assert!(got.iter().zip(src).all(|(a, b)| a.to_bits() == b.to_bits()), "{} must be copied exactly", info.name);
+                assert!(
+                    got.iter().zip(src).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} must be copied exactly",
+                    info.name
+                );
             }
             WeightFormat::Quantized(r) => {
                 quantized += 1;
@@ -70,7 +91,12 @@ fn check_against_source(container: &ColibriContainer, source: &HashMap<String, (
                         let s = scale_of(f, &scales, o, i) as f64;
                         let bound = s * (0.5 + 4.0 * qmax * 2f64.powi(-24));
                         let d = (got[o * cols + i] as f64 - src[o * cols + i] as f64).abs();
-                        assert!(d <= bound, "{} [{o},{i}]: |Δ| {d:e} > {bound:e} ({})", info.name, f.name());
+                        assert!(
+                            d <= bound,
+                            "{} [{o},{i}]: |Δ| {d:e} > {bound:e} ({})",
+                            info.name,
+                            f.name()
+                        );
                     }
                 }
             }
@@ -82,7 +108,12 @@ fn check_against_source(container: &ColibriContainer, source: &HashMap<String, (
 /// Writes the container's dequantized weights as an F32 HF checkpoint.
 fn write_dequantized_checkpoint(container: &ColibriContainer, hf_dir: &Path, out: &Path) {
     fs::create_dir_all(out).unwrap();
-    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
         if hf_dir.join(f).exists() {
             fs::copy(hf_dir.join(f), out.join(f)).unwrap();
         }
@@ -129,16 +160,33 @@ fn round_trip(group_size: usize, seed: u64) {
     let mut names: Vec<&String> = source.keys().collect();
     names.sort();
     for name in names {
-        assert!(container.weight(name).is_ok(), "{name} is missing from the container");
+        assert!(
+            container.weight(name).is_ok(),
+            "{name} is missing from the container"
+        );
     }
     let cfg = container.config();
-    let mtp = cfg.mtp_layer_index().expect("the tiny model has an MTP layer");
+    let mtp = cfg
+        .mtp_layer_index()
+        .expect("the tiny model has an MTP layer");
     for layer in 0..=mtp {
-        let has = container.weight(&format!("model.layers.{layer}.self_attn.indexer.wk.weight")).is_ok();
-        assert_eq!(has, cfg.layer_has_indexer(layer) || layer == mtp, "indexer of layer {layer}");
+        let has = container
+            .weight(&format!("model.layers.{layer}.self_attn.indexer.wk.weight"))
+            .is_ok();
+        assert_eq!(
+            has,
+            cfg.layer_has_indexer(layer) || layer == mtp,
+            "indexer of layer {layer}"
+        );
     }
-    let experts = container.weights().filter(|w| matches!(w.family, TensorFamily::RoutedExpert { .. })).count();
-    assert_eq!(experts, 3 * spec.n_routed_experts * (spec.num_hidden_layers - spec.first_k_dense_replace));
+    let experts = container
+        .weights()
+        .filter(|w| matches!(w.family, TensorFamily::RoutedExpert { .. }))
+        .count();
+    assert_eq!(
+        experts,
+        3 * spec.n_routed_experts * (spec.num_hidden_layers - spec.first_k_dense_replace)
+    );
 
     let checked = check_against_source(&container, &source);
     assert!(checked > 50, "only {checked} quantized tensors");
@@ -146,7 +194,11 @@ fn round_trip(group_size: usize, seed: u64) {
         .weights()
         .filter(|w| matches!(&w.format, WeightFormat::Quantized(r) if r.format.group_size.is_some_and(|g| (g as usize) < r.format.cols)))
         .count();
-    assert_eq!(grouped > 0, group_size > 0, "{grouped} tensors with several groups per row");
+    assert_eq!(
+        grouped > 0,
+        group_size > 0,
+        "{grouped} tensors with several groups per row"
+    );
 
     // Converting the dequantized weights again gives the same codes; scales
     // come back exact or within one ulp (fl(fl(qmax·s)/qmax) may differ from s).
@@ -157,11 +209,23 @@ fn round_trip(group_size: usize, seed: u64) {
     let again = ColibriContainer::open(&second).unwrap();
     for info in container.weights() {
         let other = again.weight(&info.name).unwrap();
-        assert_eq!(container.read_entry(&info.entry).unwrap(), again.read_entry(&other.entry).unwrap(), "{} codes", info.name);
+        assert_eq!(
+            container.read_entry(&info.entry).unwrap(),
+            again.read_entry(&other.entry).unwrap(),
+            "{} codes",
+            info.name
+        );
         if info.scales.is_some() {
-            let (a, b) = (container.read_scales(info).unwrap(), again.read_scales(other).unwrap());
+            let (a, b) = (
+                container.read_scales(info).unwrap(),
+                again.read_scales(other).unwrap(),
+            );
             for (x, y) in a.iter().zip(&b) {
-                assert!((x.to_bits() as i64 - y.to_bits() as i64).abs() <= 1, "{} scale {x} vs {y}", info.name);
+                assert!(
+                    (x.to_bits() as i64 - y.to_bits() as i64).abs() <= 1,
+                    "{} scale {x} vs {y}",
+                    info.name
+                );
             }
         }
     }
@@ -183,7 +247,10 @@ fn round_trip_all_int8() {
     let hf = work.path().join("hf");
     generate_hf_checkpoint(&hf, &TinyModelSpec::default(), 13, SourceDtype::F32).unwrap();
     let out = work.path().join("colibri");
-    let o = ConvertOptions { ebits: Bits::Eight, ..opts(64) };
+    let o = ConvertOptions {
+        ebits: Bits::Eight,
+        ..opts(64)
+    };
     convert_checkpoint(&hf, &out, &o).unwrap();
     let container = ColibriContainer::open(&out).unwrap();
     for info in container.weights() {

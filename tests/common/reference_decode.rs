@@ -1,6 +1,5 @@
 //! The independent scalar reference decoder of the Colibri formats (spec §3.2).
 
-
 /// Reference decoder, one element at a time, straight from §3.2:
 /// int8: `value = float(int8(w[o·I + i])) · s[o]`;
 /// int4: byte `w[o·rb + i/2]`, nibble `(b >> 4·(i%2)) & 15`, `value = float(n − 8) · s[o·ng + i/gs]`.
