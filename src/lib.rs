@@ -4,7 +4,9 @@
 
 pub mod container;
 pub mod convert;
+pub mod experts;
 pub mod mlx;
+pub mod moe;
 pub mod quant;
 pub mod resident;
 pub mod tiny;

@@ -1,0 +1,605 @@
+//! Slab generations, the lease protocol, residency policy, usage files, the
+//! file reader and fault injection at every step.
+
+use glm_stream::experts::layout::{ExpertExtents, ProjectionFormat, SlotLayout, TensorExtent};
+use glm_stream::experts::{
+    DirectUpload, ExpertError, ExpertSource, FileExpertSource, PolicyConfig, ResidencyManager,
+    ResidencyPolicy, SlabConfig, SlabStore,
+};
+use glm_stream::mlx::{Dtype, MlxError};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+const SLOT: usize = 8192;
+
+/// Fills a slot with a byte pattern derived from (layer, expert), or injects faults.
+#[derive(Default)]
+struct Fake {
+    fail: Mutex<HashSet<(u32, u32)>>,
+    reads: AtomicUsize,
+}
+
+impl ExpertSource for Fake {
+    fn read_expert(&self, layer: u32, expert: u32, dst: &mut [u8]) -> Result<u64, ExpertError> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        if self.fail.lock().unwrap().contains(&(layer, expert)) {
+            dst[..16].fill(0xEE); // a partial write before failing
+            return Err(ExpertError::ShortRead {
+                layer,
+                expert,
+                path: "fake".into(),
+                offset: 0,
+                end: 100,
+                got_end: 50,
+            });
+        }
+        for (i, b) in dst.iter_mut().enumerate().take(64) {
+            *b = (layer as u8).wrapping_mul(31) ^ (expert as u8) ^ i as u8;
+        }
+        Ok(64)
+    }
+}
+
+fn pattern(layer: u32, expert: u32) -> Vec<u8> {
+    (0..64u32)
+        .map(|i| (layer as u8).wrapping_mul(31) ^ (expert as u8) ^ i as u8)
+        .collect()
+}
+
+fn manager(slots: usize, source: Arc<dyn ExpertSource>) -> ResidencyManager {
+    let mut slab = SlabConfig::new(SLOT, slots);
+    slab.alignment = 4096;
+    slab.max_arena_bytes = 3 * 8192 + 4096; // several arenas
+    ResidencyManager::new(
+        &slab,
+        PolicyConfig::new(2, 16, slots),
+        source,
+        Arc::new(DirectUpload),
+        2,
+    )
+    .unwrap()
+}
+
+fn slot_bytes(m: &ResidencyManager, e: &glm_stream::experts::LeaseEntry) -> Vec<u8> {
+    m.store()
+        .view(e.handle, 0, &[64], Dtype::Uint8)
+        .unwrap()
+        .to_vec::<u8>()
+        .unwrap()
+}
+
+#[test]
+fn slab_geometry_and_stale_handles() {
+    let mut cfg = SlabConfig::new(5000, 7);
+    cfg.max_arena_bytes = 3 * 16384 + 16384;
+    let mut store = SlabStore::new(&cfg).unwrap();
+    assert_eq!(store.stride(), 16384);
+    assert_eq!(store.arena_count(), 3);
+    for s in 0..7 {
+        let h = store.current(s).unwrap();
+        assert_eq!(
+            store.address(h).unwrap() % 16384,
+            0,
+            "slot {s} base alignment"
+        );
+    }
+    let old = store.current(2).unwrap();
+    let new = store.reassign(2).unwrap();
+    assert!(matches!(
+        store.view(old, 0, &[4], Dtype::Uint8),
+        Err(ExpertError::StaleHandle { slot: 2, .. })
+    ));
+    assert!(store.view(new, 0, &[4], Dtype::Uint8).is_ok());
+    assert!(matches!(
+        store.view(new, 4998, &[1], Dtype::Float32),
+        Err(ExpertError::OutOfSlot { .. })
+    ));
+    assert!(matches!(
+        store.current(7),
+        Err(ExpertError::SlotOutOfRange { .. })
+    ));
+    let mut bad = SlabConfig::new(10, 1);
+    bad.alignment = 1024;
+    assert!(SlabStore::new(&bad).is_err());
+}
+
+#[test]
+fn hits_are_reported_before_misses_load() {
+    let fake = Arc::new(Fake::default());
+    let mut m = manager(4, fake.clone());
+    let lease = m.acquire(0, &[1, 2], |_, _| Ok(())).unwrap();
+    lease.release_fenced().unwrap();
+    let mut calls: Vec<Vec<(u32, bool)>> = Vec::new();
+    let lease = m
+        .acquire(0, &[2, 5, 1], |store, ready| {
+            for e in ready {
+                store.check(e.handle).unwrap();
+            }
+            calls.push(ready.iter().map(|e| (e.expert, e.hit)).collect());
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(calls[0], vec![(2, true), (1, true)]);
+    assert_eq!(calls[1..].concat(), vec![(5, false)]);
+    for e in lease.entries() {
+        assert_eq!(slot_bytes(&m, e), pattern(0, e.expert));
+    }
+    lease.release_fenced().unwrap();
+    let t = m.telemetry().unwrap();
+    assert_eq!((t.hits, t.misses, t.bytes_read), (2, 3, 192));
+    assert!((t.layer_hit_rate(0).unwrap() - 0.4).abs() < 1e-12);
+    assert!(t.load_latency(50.0).is_some());
+}
+
+#[test]
+fn released_slot_reuse_makes_old_handles_stale_and_leased_slots_stay() {
+    let mut m = manager(2, Arc::new(Fake::default()));
+    let a = m.acquire(1, &[3], |_, _| Ok(())).unwrap();
+    let a_entry = a.entries()[0];
+    // Pool of 2: one held by `a`, so a 2-miss acquire must fail without evicting it.
+    assert!(matches!(
+        m.acquire(1, &[4, 5], |_, _| Ok(())),
+        Err(ExpertError::PoolExhausted {
+            needed: 2,
+            available: 1,
+            ..
+        })
+    ));
+    let b = m.acquire(1, &[4], |_, _| Ok(())).unwrap();
+    assert_ne!(
+        b.entries()[0].handle.slot,
+        a_entry.handle.slot,
+        "concurrent leases share no slot"
+    );
+    assert_eq!(slot_bytes(&m, &a_entry), pattern(1, 3));
+    a.release_fenced().unwrap();
+    b.release_fenced().unwrap();
+    // Load two others: both slots get reused, the old handle is refused.
+    m.acquire(0, &[7, 8], |_, _| Ok(()))
+        .unwrap()
+        .release_fenced()
+        .unwrap();
+    assert!(matches!(
+        m.store().view(a_entry.handle, 0, &[1], Dtype::Uint8),
+        Err(ExpertError::StaleHandle { .. })
+    ));
+}
+
+#[test]
+fn failed_read_leaves_pool_intact() {
+    let fake = Arc::new(Fake::default());
+    let mut m = manager(3, fake.clone());
+    m.acquire(0, &[1], |_, _| Ok(()))
+        .unwrap()
+        .release_fenced()
+        .unwrap();
+    fake.fail.lock().unwrap().insert((0, 9));
+    let mut seen = Vec::new();
+    let err = m
+        .acquire(0, &[1, 9, 2], |_, r| {
+            seen.extend(r.iter().map(|e| e.expert));
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ExpertError::ShortRead {
+                layer: 0,
+                expert: 9,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    m.with_policy(|p| {
+        assert!(p.is_resident(0, 1), "the hit stays resident");
+        assert!(!p.is_resident(0, 9), "the failed expert is not resident");
+        assert_eq!(p.open_leases(), 0, "the lease was released");
+        for s in 0..3 {
+            assert_eq!(p.lease_count(s), 0);
+        }
+        assert_eq!(p.telemetry().failed_loads, 1);
+        Ok(())
+    })
+    .unwrap();
+    // The pool still serves all three slots.
+    fake.fail.lock().unwrap().clear();
+    let l = m.acquire(0, &[9, 3, 4], |_, _| Ok(())).unwrap();
+    for e in l.entries() {
+        assert_eq!(slot_bytes(&m, e), pattern(0, e.expert));
+    }
+    l.release_fenced().unwrap();
+}
+
+#[test]
+fn callback_error_releases_lease() {
+    let mut m = manager(3, Arc::new(Fake::default()));
+    let err = m
+        .acquire(1, &[1, 2], |_, _| Err(MlxError::BufferBusy { bytes: 1 }))
+        .unwrap_err();
+    assert!(matches!(err, ExpertError::Mlx(_)));
+    m.with_policy(|p| {
+        assert_eq!(p.open_leases(), 0);
+        Ok(())
+    })
+    .unwrap();
+    m.acquire(1, &[1, 2, 3], |_, _| Ok(()))
+        .unwrap()
+        .release_fenced()
+        .unwrap();
+}
+
+#[test]
+fn bad_requests_change_nothing() {
+    let mut m = manager(2, Arc::new(Fake::default()));
+    assert!(matches!(
+        m.acquire(2, &[0], |_, _| Ok(())),
+        Err(ExpertError::UnknownExpert { .. })
+    ));
+    assert!(matches!(
+        m.acquire(0, &[16], |_, _| Ok(())),
+        Err(ExpertError::UnknownExpert { .. })
+    ));
+    assert!(matches!(
+        m.acquire(0, &[3, 3], |_, _| Ok(())),
+        Err(ExpertError::DuplicateRequest { .. })
+    ));
+    let t = m.telemetry().unwrap();
+    assert_eq!((t.hits, t.misses), (0, 0));
+}
+
+#[test]
+fn dropped_lease_is_released() {
+    let mut m = manager(1, Arc::new(Fake::default()));
+    {
+        let _l = m.acquire(0, &[1], |_, _| Ok(())).unwrap();
+    }
+    m.acquire(0, &[2], |_, _| Ok(()))
+        .unwrap()
+        .release_fenced()
+        .unwrap();
+}
+
+#[test]
+fn concurrent_acquirers_never_share_a_slot() {
+    let policy = Arc::new(Mutex::new(
+        ResidencyPolicy::new(PolicyConfig::new(2, 32, 24)).unwrap(),
+    ));
+    let owners: Arc<Mutex<HashMap<u32, (u32, u32)>>> = Arc::default();
+    let threads: Vec<_> = (0..4u32)
+        .map(|t| {
+            let policy = Arc::clone(&policy);
+            let owners = Arc::clone(&owners);
+            std::thread::spawn(move || {
+                let mut x = t as u64 * 7919 + 1;
+                for _ in 0..300 {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let layer = (x >> 60) as u32 % 2;
+                    let ids: Vec<u32> = (0..4)
+                        .map(|i| ((x >> (8 * i + 8)) as u32 % 8) + 8 * (t % 4))
+                        .collect();
+                    let mut ids2 = ids.clone();
+                    ids2.sort();
+                    ids2.dedup();
+                    let lease = match policy.lock().unwrap().acquire(layer, &ids2) {
+                        Ok(l) => l,
+                        Err(ExpertError::PoolExhausted { .. } | ExpertError::Busy { .. }) => {
+                            continue;
+                        }
+                        Err(e) => panic!("{e}"),
+                    };
+                    {
+                        let mut o = owners.lock().unwrap();
+                        for e in &lease.entries {
+                            if let Some(prev) = o.get(&e.slot) {
+                                assert_eq!(*prev, (layer, e.expert), "slot {} shared", e.slot);
+                            }
+                            o.insert(e.slot, (layer, e.expert));
+                        }
+                    }
+                    let mut p = policy.lock().unwrap();
+                    for e in lease.entries.iter().filter(|e| !e.hit) {
+                        p.complete(lease.id, e.slot, true).unwrap();
+                    }
+                    drop(p);
+                    std::thread::yield_now();
+                    let mut o = owners.lock().unwrap();
+                    let mut p = policy.lock().unwrap();
+                    for e in &lease.entries {
+                        if p.lease_count(e.slot) == 1 {
+                            o.remove(&e.slot);
+                        }
+                    }
+                    p.release(lease.id).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(policy.lock().unwrap().open_leases(), 0);
+}
+
+#[test]
+fn frequency_pins_survive_lru_pressure() {
+    let mut cfg = PolicyConfig::new(1, 64, 4);
+    cfg.pin_fraction = 0.5;
+    cfg.repin_interval = 1;
+    let mut p = ResidencyPolicy::new(cfg).unwrap();
+    for _ in 0..10 {
+        p.record_routes(0, &[0, 1]).unwrap();
+    }
+    assert!(p.is_pinned(0, 0) && p.is_pinned(0, 1));
+    let l = p.acquire(0, &[0, 1]).unwrap();
+    for e in &l.entries {
+        p.complete(l.id, e.slot, true).unwrap();
+    }
+    p.release(l.id).unwrap();
+    // A scan of cold experts must not evict the pinned ones.
+    for e in 10..30 {
+        let l = p.acquire(0, &[e]).unwrap();
+        p.complete(l.id, l.entries[0].slot, true).unwrap();
+        p.release(l.id).unwrap();
+    }
+    assert!(p.is_resident(0, 0) && p.is_resident(0, 1));
+    // Shrinking the budget drops residents past it.
+    p.set_budget(1);
+    assert_eq!(p.budget(), 1);
+    let l = p.acquire(0, &[40]).unwrap();
+    assert_eq!(l.entries[0].slot, 0);
+}
+
+#[test]
+fn usage_file_round_trip_and_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(".coli_usage");
+    let mut p = ResidencyPolicy::new(PolicyConfig::new(3, 8, 4)).unwrap();
+    p.record_routes(2, &[7, 1]).unwrap();
+    p.record_routes(2, &[7]).unwrap();
+    p.save_usage(&path).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(text, "-1 3 8\n2 1 1\n2 7 2\n");
+    let mut q = ResidencyPolicy::new(PolicyConfig::new(3, 8, 4)).unwrap();
+    q.load_usage(&path).unwrap();
+    assert_eq!((q.usage(2, 7), q.usage(2, 1)), (2, 1));
+    for (bad, line) in [
+        ("0 1\n", 1),
+        ("-1 3 8\n0 9 1\n", 2),
+        ("-1 4 8\n", 1),
+        ("0 x 1\n", 1),
+    ] {
+        std::fs::write(&path, bad).unwrap();
+        match q.load_usage(&path) {
+            Err(ExpertError::UsageFile { line: l, .. }) => assert_eq!(l, line, "{bad:?}"),
+            other => panic!("{bad:?}: {other:?}"),
+        }
+        assert_eq!(q.usage(2, 7), 2, "history unchanged after a bad file");
+    }
+    std::fs::write(&path, "-2 1 3815245270\n").unwrap();
+    q.load_usage(&path).unwrap();
+    assert_eq!(q.usage(2, 7), 0);
+}
+
+/// A shard file with one expert's six tensors (tiny shapes), plus its extents.
+fn write_shard(dir: &std::path::Path, base: u64) -> (std::path::PathBuf, ExpertExtents, Vec<u8>) {
+    let formats = [
+        ProjectionFormat {
+            bits: 4,
+            group_size: Some(32),
+            rows: 64,
+            cols: 128,
+        },
+        ProjectionFormat {
+            bits: 4,
+            group_size: Some(32),
+            rows: 64,
+            cols: 128,
+        },
+        ProjectionFormat {
+            bits: 4,
+            group_size: Some(32),
+            rows: 128,
+            cols: 64,
+        },
+    ];
+    let mut off = base;
+    let mut mk = |len: usize| {
+        let t = TensorExtent {
+            file: 0,
+            offset: off,
+            len: len as u64,
+        };
+        off += len as u64;
+        t
+    };
+    let weights = formats.map(|f| mk(f.weight_bytes().unwrap()));
+    let scales = formats.map(|f| mk(f.scale_bytes().unwrap()));
+    let bytes: Vec<u8> = (0..off + 777).map(|i| (i * 7 % 251) as u8).collect();
+    let path = dir.join("shard.safetensors");
+    std::fs::write(&path, &bytes).unwrap();
+    (
+        path,
+        ExpertExtents {
+            weights,
+            scales,
+            formats,
+        },
+        bytes,
+    )
+}
+
+#[test]
+fn file_source_reads_layout_and_reports_faults() {
+    let dir = tempfile::tempdir().unwrap();
+    for (base, direct) in [(8192u64, true), (8192 + 48, false), (8192 + 6, true)] {
+        let (path, ext, bytes) = write_shard(dir.path(), base);
+        let layout = SlotLayout::plan(0, 3, &ext).unwrap();
+        assert_eq!(layout.contiguous, base % 16 == 0);
+        let src = FileExpertSource::open(
+            std::slice::from_ref(&path),
+            HashMap::from([((0, 3), layout.clone())]),
+            direct,
+        )
+        .unwrap();
+        let slot = layout.slot_bytes;
+        let mut m = {
+            let mut cfg = SlabConfig::new(slot, 2);
+            cfg.alignment = 4096;
+            ResidencyManager::new(
+                &cfg,
+                PolicyConfig::new(1, 8, 2),
+                Arc::new(src),
+                Arc::new(DirectUpload),
+                2,
+            )
+            .unwrap()
+        };
+        let lease = m.acquire(0, &[3], |_, _| Ok(())).unwrap();
+        let h = lease.entries()[0].handle;
+        for (i, p) in layout.projections.iter().enumerate() {
+            let w = ext.weights[i];
+            let got = m
+                .store()
+                .view(h, p.weight_offset, &[w.len as i32], Dtype::Uint8)
+                .unwrap();
+            assert_eq!(
+                got.to_vec::<u8>().unwrap(),
+                &bytes[w.offset as usize..(w.offset + w.len) as usize]
+            );
+            let s = ext.scales[i];
+            let got = m
+                .store()
+                .view(h, p.scale_offset, &[s.len as i32], Dtype::Uint8)
+                .unwrap();
+            assert_eq!(
+                got.to_vec::<u8>().unwrap(),
+                &bytes[s.offset as usize..(s.offset + s.len) as usize]
+            );
+        }
+        lease.release_fenced().unwrap();
+        // Unknown expert: a clean error, pool intact.
+        assert!(matches!(
+            m.acquire(0, &[4], |_, _| Ok(())),
+            Err(ExpertError::Layout { expert: 4, .. })
+        ));
+        // Truncate the file: a short read, pool intact.
+        std::fs::write(&path, &bytes[..(ext.scales[1].offset as usize)]).unwrap();
+        let src = FileExpertSource::open(
+            std::slice::from_ref(&path),
+            HashMap::from([((0, 3), layout.clone())]),
+            direct,
+        )
+        .unwrap();
+        let mut cfg = SlabConfig::new(slot, 2);
+        cfg.alignment = 4096;
+        let mut m = ResidencyManager::new(
+            &cfg,
+            PolicyConfig::new(1, 8, 2),
+            Arc::new(src),
+            Arc::new(DirectUpload),
+            1,
+        )
+        .unwrap();
+        let err = m.acquire(0, &[3], |_, _| Ok(())).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ExpertError::ShortRead {
+                    layer: 0,
+                    expert: 3,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(m.with_policy(|p| Ok(p.open_leases())).unwrap(), 0);
+        // A slot too small for the layout: a size mismatch.
+        let src = FileExpertSource::open(
+            std::slice::from_ref(&path),
+            HashMap::from([((0, 3), layout.clone())]),
+            direct,
+        )
+        .unwrap();
+        let mut cfg = SlabConfig::new(layout.slot_bytes - 1, 1);
+        cfg.alignment = 4096;
+        let mut m = ResidencyManager::new(
+            &cfg,
+            PolicyConfig::new(1, 8, 1),
+            Arc::new(src),
+            Arc::new(DirectUpload),
+            1,
+        )
+        .unwrap();
+        assert!(matches!(
+            m.acquire(0, &[3], |_, _| Ok(())),
+            Err(ExpertError::SizeMismatch { .. })
+        ));
+        std::fs::write(&path, &bytes).unwrap();
+    }
+    // A missing shard file is an error naming it.
+    assert!(matches!(
+        FileExpertSource::open(&[dir.path().join("nope")], HashMap::new(), false),
+        Err(ExpertError::Open { .. })
+    ));
+}
+
+#[test]
+fn container_experts_stream_into_slots_byte_exact() {
+    use glm_stream::container::ColibriContainer;
+    use glm_stream::convert::{ConvertOptions, convert_checkpoint};
+    use glm_stream::tiny::{SourceDtype, TinyModelSpec, generate_hf_checkpoint};
+    let dir = tempfile::tempdir().unwrap();
+    let (src, out) = (dir.path().join("hf"), dir.path().join("coli"));
+    generate_hf_checkpoint(&src, &TinyModelSpec::default(), 3, SourceDtype::F32).unwrap();
+    convert_checkpoint(&src, &out, &ConvertOptions::default()).unwrap();
+    let c = ColibriContainer::open(&out).unwrap();
+    let cfg = c.config();
+    let layers: Vec<u32> =
+        (cfg.first_k_dense_replace as u32..cfg.num_hidden_layers as u32).collect();
+    let n = cfg.n_routed_experts.unwrap() as u32;
+    assert!(!layers.is_empty() && n > 0);
+    let source = FileExpertSource::from_container(&c, &layers, true).unwrap();
+    let slot = source.max_slot_bytes();
+    let layouts: Vec<(u32, u32, SlotLayout)> = layers
+        .iter()
+        .flat_map(|&l| (0..n).map(move |e| (l, e)))
+        .map(|(l, e)| (l, e, source.layout(l, e).unwrap().clone()))
+        .collect();
+    let mut scfg = SlabConfig::new(slot, 3); // fewer slots than experts: reuse
+    scfg.alignment = 4096;
+    let mut m = ResidencyManager::new(
+        &scfg,
+        PolicyConfig::new(cfg.num_hidden_layers as u32 + 1, n, 3),
+        Arc::new(source),
+        Arc::new(DirectUpload),
+        2,
+    )
+    .unwrap();
+    for (layer, expert, layout) in &layouts {
+        let lease = m.acquire(*layer, &[*expert], |_, _| Ok(())).unwrap();
+        let h = lease.entries()[0].handle;
+        let infos = c.expert(*layer as usize, *expert as usize).unwrap();
+        for (p, info) in layout.projections.iter().zip(infos) {
+            let w = c.read_entry(&info.entry).unwrap();
+            let got = m
+                .store()
+                .view(h, p.weight_offset, &[w.len() as i32], Dtype::Uint8)
+                .unwrap();
+            assert_eq!(got.to_vec::<u8>().unwrap(), w, "{}", info.name);
+            let s = c.read_entry(info.scales.as_ref().unwrap()).unwrap();
+            let got = m
+                .store()
+                .view(h, p.scale_offset, &[s.len() as i32], Dtype::Uint8)
+                .unwrap();
+            assert_eq!(got.to_vec::<u8>().unwrap(), s, "{} scales", info.name);
+        }
+        lease.release_fenced().unwrap();
+    }
+    let t = m.telemetry().unwrap();
+    assert_eq!(t.misses as usize, layouts.len());
+}
