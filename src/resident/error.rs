@@ -156,6 +156,10 @@ pub enum ResidentError {
     /// A [`ResidentOptions`](super::ResidentOptions) value out of range.
     #[error("invalid resident option: {0}")]
     InvalidOption(String),
+    /// An internal invariant of the view did not hold (a bug, reported
+    /// instead of panicking).
+    #[error("internal error in the resident weights view: {0}")]
+    Internal(String),
 }
 
 /// Result alias of the resident view.

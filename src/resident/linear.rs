@@ -219,7 +219,7 @@ fn join_tiles(name: &str, parts: Vec<Array>) -> Result<Array> {
 }
 
 fn bad_input_empty(name: &str) -> ResidentError {
-    ResidentError::InvalidOption(format!("{name}: no rows to tile"))
+    ResidentError::Internal(format!("{name}: no rows to tile"))
 }
 
 /// int8 head through 8-bit affine tiles: only one tile's graph exists at a
@@ -330,12 +330,12 @@ pub(crate) fn affine_from(
     let ctx = "preparing affine scales";
     let (group_size, repeat, bits, offset) = if format.bits == 4 {
         let (gs, rep) = q4_layout(format).ok_or_else(|| {
-            ResidentError::InvalidOption(format!("{name}: {format} has no MLX 4-bit layout"))
+            ResidentError::Internal(format!("{name}: {format} has no MLX 4-bit layout"))
         })?;
         (gs, rep, 4, -8.0f32)
     } else {
         let gs = int8_group_size(format.cols).ok_or_else(|| {
-            ResidentError::InvalidOption(format!("{name}: {format} has no MLX 8-bit layout"))
+            ResidentError::Internal(format!("{name}: {format} has no MLX 8-bit layout"))
         })?;
         (gs, (format.cols / gs as usize) as u32, 8, -128.0f32)
     };

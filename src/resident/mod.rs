@@ -610,7 +610,7 @@ fn float_matrix(info: &WeightInfo) -> Result<[i32; 2]> {
 
 fn quant_format(info: &WeightInfo) -> Result<&QuantFormat> {
     info.quant_format()
-        .ok_or_else(|| ResidentError::InvalidOption(format!("{} is not quantized", info.name)))
+        .ok_or_else(|| ResidentError::Internal(format!("{} is not quantized", info.name)))
 }
 
 fn i32_dim(name: &str, v: u64) -> Result<i32> {
@@ -630,5 +630,5 @@ fn float_dtype(d: safetensors::Dtype) -> Dtype {
 }
 
 fn internal(name: &str) -> ResidentError {
-    ResidentError::InvalidOption(format!("{name}: cache entry of the wrong form"))
+    ResidentError::Internal(format!("{name}: cache entry of the wrong form"))
 }
