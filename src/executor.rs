@@ -385,8 +385,9 @@ impl StreamedExecutor {
             (Some(a), Some(s)) => a.add(s).map_err(wave_err)?,
             (Some(a), None) => a,
             (None, Some(s)) => s.copy().map_err(wave_err)?,
-            (None, None) => mlx::zeros(&[rows as i32, self.hidden as i32], dtype)
-                .map_err(wave_err)?,
+            (None, None) => {
+                mlx::zeros(&[rows as i32, self.hidden as i32], dtype).map_err(wave_err)?
+            }
         };
         out.eval().map_err(wave_err)?;
         stats.bytes_read = self.bytes_read(layer)?.saturating_sub(bytes_before);
@@ -427,7 +428,10 @@ impl StreamedExecutor {
             )));
         }
         if !x.dtype().is_float() {
-            return Err(bad(format!("x has dtype {:?}, expected a float", x.dtype())));
+            return Err(bad(format!(
+                "x has dtype {:?}, expected a float",
+                x.dtype()
+            )));
         }
         let rows = shape[0] as usize;
         if plan.routes().rows() != rows {
@@ -455,7 +459,10 @@ impl StreamedExecutor {
             }
             if job.rows.len() != job.ranks.len()
                 || job.rows.iter().any(|&r| r as usize >= rows)
-                || job.ranks.iter().any(|&k| k as usize >= plan.routes().top_k())
+                || job
+                    .ranks
+                    .iter()
+                    .any(|&k| k as usize >= plan.routes().top_k())
             {
                 return Err(bad(format!(
                     "expert {}: job rows/ranks out of range for {rows} rows × top-{}",
@@ -495,17 +502,19 @@ impl StreamedExecutor {
                             message: format!("expert {} was not requested", entry.expert),
                         },
                     )?;
-                    let spec = specs.get(&(layer, entry.expert)).ok_or(
-                        ExecutorError::MissingLayout {
-                            layer,
-                            expert: entry.expert,
-                        },
-                    )?;
+                    let spec =
+                        specs
+                            .get(&(layer, entry.expert))
+                            .ok_or(ExecutorError::MissingLayout {
+                                layer,
+                                expert: entry.expert,
+                            })?;
                     let y = expert_output(store, layer, entry, spec, &wave[i], x, routes, rows)?;
                     outputs[i] = Some(y);
                     built.push(i);
                 }
-                let mut submit: Vec<&Array> = built.iter().filter_map(|&i| outputs[i].as_ref()).collect();
+                let mut submit: Vec<&Array> =
+                    built.iter().filter_map(|&i| outputs[i].as_ref()).collect();
                 if let Some(s) = shared_pending.take() {
                     submit.push(s);
                 }
@@ -651,10 +660,7 @@ fn expert_output(
     };
     let gate = proj(Projection::Gate, &xe)?;
     let up = proj(Projection::Up, &xe)?;
-    let h = gate
-        .silu()
-        .and_then(|g| g.multiply(&up))
-        .map_err(mlx_err)?;
+    let h = gate.silu().and_then(|g| g.multiply(&up)).map_err(mlx_err)?;
     let y = proj(Projection::Down, &h)?;
     let mut w = Vec::with_capacity(job.rows.len());
     for (&r, &k) in job.rows.iter().zip(&job.ranks) {
@@ -737,14 +743,11 @@ fn projection(
             mlx::quantized_matmul(input, &w, &s, Some(&b), true, group_size, bits).map_err(mlx_err)
         }
         ProjectionKernel::Dense => {
-            let w = dense_weight(store, entry, p, &scales, dtype)
-                .map_err(|e| match e {
-                    DenseError::Slot(s) => slot_err(s),
-                    DenseError::Mlx(m) => mlx_err(m),
-                })?;
-            w.t()
-                .and_then(|wt| input.matmul(&wt))
-                .map_err(mlx_err)
+            let w = dense_weight(store, entry, p, &scales, dtype).map_err(|e| match e {
+                DenseError::Slot(s) => slot_err(s),
+                DenseError::Mlx(m) => mlx_err(m),
+            })?;
+            w.t().and_then(|wt| input.matmul(&wt)).map_err(mlx_err)
         }
     }
 }
