@@ -4,6 +4,7 @@
 
 pub mod container;
 pub mod convert;
+pub mod executor;
 pub mod experts;
 pub mod mlx;
 pub mod moe;
