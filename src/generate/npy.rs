@@ -125,8 +125,9 @@ mod tests {
         assert_eq!(dump.row(3), None);
         dump.write_npy(&path).expect("write");
         let bytes = std::fs::read(&path).expect("read");
-        assert_eq!(bytes.len(), 64 + 24);
-        assert_eq!(&bytes[64..68], &1.0f32.to_le_bytes());
+        let h = npy_header(&[3, 2]).len();
+        assert_eq!(bytes.len(), h + 24);
+        assert_eq!(&bytes[h..h + 4], &1.0f32.to_le_bytes());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

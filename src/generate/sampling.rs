@@ -118,7 +118,10 @@ pub fn candidate_distribution(logits: &[f32], params: &SamplingParams) -> Result
         .collect();
     let by_rank = |a: &u32, b: &u32| {
         let (x, y) = (logits[*a as usize], logits[*b as usize]);
-        y.total_cmp(&x).then(a.cmp(b))
+        // No NaN reaches here; -0.0 and 0.0 tie like in a plain comparison.
+        y.partial_cmp(&x)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(b))
     };
     if params.top_k > 0 && params.top_k < ids.len() {
         ids.select_nth_unstable_by(params.top_k - 1, by_rank);
