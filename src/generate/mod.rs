@@ -14,7 +14,7 @@
 //!     type Cache = Vec<u32>;
 //!     type Error = std::convert::Infallible;
 //!     fn vocab_size(&self) -> usize { 8 }
-//!     fn max_positions(&self) -> usize { 64 }
+//!     fn max_positions(&self) -> usize { 256 }
 //!     fn eos_token_ids(&self) -> Vec<u32> { vec![3] }
 //!     fn new_cache(&self) -> Vec<u32> { Vec::new() }
 //!     fn cache_len(cache: &Vec<u32>) -> usize { cache.len() }
