@@ -405,3 +405,86 @@ fn callback_can_stop_early() {
     assert_eq!(generation.finish, FinishReason::Stopped);
     assert_eq!(model.calls.len(), 3);
 }
+
+/// Emits a fixed script of ids, one per step, whatever the input.
+struct Script {
+    script: Vec<u32>,
+    prompt_len: usize,
+    vocab: usize,
+}
+
+impl LanguageModel for Script {
+    type Cache = usize;
+    type Error = MockError;
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn max_positions(&self) -> usize {
+        1000
+    }
+    fn eos_token_ids(&self) -> Vec<u32> {
+        Vec::new()
+    }
+    fn new_cache(&self) -> usize {
+        0
+    }
+    fn cache_len(cache: &usize) -> usize {
+        *cache
+    }
+    fn forward(
+        &mut self,
+        ids: &[u32],
+        cache: &mut usize,
+        all_rows: bool,
+    ) -> Result<Vec<f32>, MockError> {
+        *cache += ids.len();
+        let rows = if all_rows { ids.len() } else { 1 };
+        let mut out = vec![0.0f32; rows * self.vocab];
+        let step = *cache - self.prompt_len;
+        if let Some(&id) = self.script.get(step) {
+            out[(rows - 1) * self.vocab + id as usize] = 1.0;
+        }
+        Ok(out)
+    }
+}
+
+#[test]
+fn text_deltas_concatenate_to_the_decoded_output() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = glm_stream::tiny::TinyModelSpec::default();
+    glm_stream::tiny::generate_hf_checkpoint(
+        dir.path(),
+        &spec,
+        0,
+        glm_stream::tiny::SourceDtype::Bf16,
+    )
+    .expect("tiny checkpoint");
+    let tok = glm_stream::generate::Tokenizer::from_model_dir(dir.path()).expect("tokenizer");
+    let config = GenerationConfig::load(&dir.path().join("generation_config.json"))
+        .expect("generation config");
+    let eos = tok.token_to_id("<|endoftext|>").expect("eos id");
+    let mut script = tok.encode("héllo the 🙂 wörld", false).expect("encode");
+    let text_len = script.len();
+    script.push(eos);
+    script.push(5);
+    let prompt = tok.encode_prompt("hi", false).expect("prompt");
+    let mut model = Script {
+        script: script.clone(),
+        prompt_len: prompt.len(),
+        vocab: spec.vocab_size,
+    };
+    let o = opts(100).with_generation_config(&config);
+    let session = Session::new(&mut model, Some(&tok), &prompt, o).expect("valid");
+    let tokens: Vec<_> = session.collect::<Result<_, _>>().expect("generate");
+    assert_eq!(tokens.len(), text_len + 1, "stops at <|endoftext|>");
+    assert_eq!(
+        tokens.last().and_then(|t| t.finish),
+        Some(FinishReason::Eos(eos))
+    );
+    let text: String = tokens.iter().map(|t| t.text.as_str()).collect();
+    assert_eq!(text, "héllo the 🙂 wörld");
+    assert!(tokens.iter().all(|t| !t.text.contains('\u{FFFD}')));
+    // The 4-byte emoji arrives whole with its last byte.
+    assert!(tokens.iter().any(|t| t.text == "🙂"));
+}
