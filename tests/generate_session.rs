@@ -242,12 +242,8 @@ fn dump_logits_rows_follow_the_documented_layout() {
         let g = generation.tokens.len();
         let dump = generation.logits.expect("captured");
         assert_eq!((dump.rows(), dump.vocab), (p + g - 1, VOCAB));
-        for i in 0..p {
-            assert_eq!(
-                dump.row(i),
-                Some(row(prompt[i], i).as_slice()),
-                "prompt row {i}"
-            );
+        for (i, &id) in prompt.iter().enumerate() {
+            assert_eq!(dump.row(i), Some(row(id, i).as_slice()), "prompt row {i}");
         }
         for j in 0..g - 1 {
             let expected = row(generation.tokens[j], p + j);
