@@ -270,7 +270,8 @@ impl<'a, M: LanguageModel> Session<'a, M> {
     }
 
     /// Runs to the end, calling `on_token` for each token; `ControlFlow::Break` stops
-    /// early with [`FinishReason::Stopped`].
+    /// early with [`FinishReason::Stopped`] (text still held back for an incomplete
+    /// character then goes only into [`Generation::text`]).
     pub fn run(
         mut self,
         mut on_token: impl FnMut(&GeneratedToken) -> ControlFlow<()>,
