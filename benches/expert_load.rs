@@ -1,35 +1,40 @@
 //! Expert load throughput: the streamed-experts loader against a plain
-//! sequential O_DIRECT read of the same bytes, from the same file, in the
-//! same run.
+//! sequential O_DIRECT read of the same number of bytes, from the same file,
+//! in the same run.
 //!
-//! The file holds 64 experts of the real GLM-5.2 int4-g64 size (21,233,664 B
-//! each: gate/up `[2048, 6144]`, down `[6144, 2048]`, packed weights first
-//! then the F32 group scales, as the converter writes them) — 1.36 GB in a
-//! temporary directory under `/tmp`, deleted at the end.
+//! The file is a safetensors shard written by the container writer
+//! (`convert::writer`) with the real colibri layout: 64 routed experts of
+//! layer 0 at the GLM-5.2 int4-g64 size (21,233,664 B each: gate/up
+//! `[2048, 6144]`, down `[6144, 2048]`), every F32 `.qs` first (sorted by
+//! name, so an expert's down/gate/up scales are adjacent), then every U8
+//! weight (sorted by name, adjacent per expert; expert ids sort as strings).
+//! 1.36 GB in a temporary directory under `/tmp`, deleted at the end.
 //!
-//! * `manager`: [`FileExpertSource`] (O_DIRECT weights, buffered scales) read
-//!   through [`ResidencyManager::acquire`] on 4 I/O threads (or
-//!   `GLM_BENCH_IO_THREADS`) into an 8-slot
-//!   pool, 8 experts per wave, every expert a miss.
+//! * `manager`: [`FileExpertSource`] (one O_DIRECT span read for the three
+//!   weights, one for the three scales) through [`ResidencyManager::acquire`]
+//!   on 4 I/O threads (or `GLM_BENCH_IO_THREADS`) into an 8-slot pool,
+//!   8 experts per wave, every expert a miss.
 //! * `sequential`: one thread, one O_DIRECT `pread` per expert-sized chunk
-//!   into a 4096-aligned buffer, front to back.
+//!   into a 4096-aligned buffer, front to back over the data region, for the
+//!   same total bytes (64 × 21,233,664).
 //!
 //! Before every pass the file's page cache is dropped (`POSIX_FADV_DONTNEED`)
-//! so the buffered scale reads cannot be served from memory.
+//! so that no buffered read could be served from memory.
 //!
 //! Run: `cargo bench --bench expert_load`. Criterion prints each method's
 //! throughput; the last lines give the median GB/s of both and their ratio.
 
 use criterion::{Criterion, Throughput};
+use glm_stream::convert::writer::{ShardLayout, ShardWriter, TensorSpec};
 use glm_stream::experts::layout::{ExpertExtents, ProjectionFormat, SlotLayout, TensorExtent};
 use glm_stream::experts::reader::{open_uncached, read_full_at};
 use glm_stream::experts::{
     DirectUpload, FileExpertSource, PolicyConfig, ResidencyManager, SlabConfig,
 };
+use safetensors::Dtype;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::Arc;
@@ -51,39 +56,73 @@ fn formats() -> [ProjectionFormat; 3] {
     [f(2048, 6144), f(2048, 6144), f(6144, 2048)]
 }
 
-/// Extents of expert `e`: three packed weights back to back, then the scales.
-fn extents(e: u32) -> ExpertExtents {
-    let formats = formats();
-    let mut off = u64::from(e) * EXPERT_BYTES;
-    let mut next = |len: usize| {
-        let t = TensorExtent {
-            file: 0,
-            offset: off,
-            len: len as u64,
-        };
-        off += len as u64;
-        t
-    };
-    let weights = formats.map(|f| next(f.weight_bytes().unwrap_or(0)));
-    let scales = formats.map(|f| next(f.scale_bytes().unwrap_or(0)));
-    ExpertExtents {
-        weights,
-        scales,
-        formats,
-    }
+fn tensor_name(e: u32, p: usize) -> String {
+    let proj = ["gate_proj", "up_proj", "down_proj"][p];
+    format!("model.layers.0.mlp.experts.{e}.{proj}.weight")
 }
 
-fn write_file(path: &Path) -> std::io::Result<()> {
-    let mut f = std::io::BufWriter::with_capacity(1 << 22, File::create(path)?);
-    let mut chunk = vec![0u8; EXPERT_BYTES as usize];
+/// Writes the shard with the container writer and returns every expert's
+/// extents (absolute file offsets) and the data region's start.
+fn write_file(path: &Path) -> Result<(Vec<ExpertExtents>, u64), Box<dyn std::error::Error>> {
+    let formats = formats();
+    let mut specs = Vec::new();
     for e in 0..EXPERTS {
-        for (i, b) in chunk.iter_mut().enumerate() {
-            *b = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(e) as u8;
+        for (p, f) in formats.iter().enumerate() {
+            let wb = f.weight_bytes().ok_or("weight size")?;
+            let sb = f.scale_bytes().ok_or("scale size")?;
+            specs.push(TensorSpec::new(tensor_name(e, p), Dtype::U8, vec![wb]));
+            specs.push(TensorSpec::new(
+                format!("{}.qs", tensor_name(e, p)),
+                Dtype::F32,
+                vec![sb / 4],
+            ));
         }
-        f.write_all(&chunk)?;
     }
-    f.flush()?;
-    f.get_ref().sync_all()
+    let layout = ShardLayout::new(specs)?;
+    let header = layout.header_bytes().len() as u64;
+    let at: HashMap<String, (u64, u64)> = layout
+        .entries()
+        .iter()
+        .map(|e| {
+            let range = (header + e.begin as u64, (e.end - e.begin) as u64);
+            (e.spec.name.clone(), range)
+        })
+        .collect();
+    let mut w = ShardWriter::create(path, layout.clone())?;
+    let mut chunk = Vec::new();
+    for (i, e) in layout.entries().iter().enumerate() {
+        chunk.clear();
+        chunk.extend((0..e.end - e.begin).map(|j| {
+            (j as u32)
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(i as u32) as u8
+        }));
+        w.write(&e.spec.name, &chunk)?;
+    }
+    w.finish()?;
+    let ext = |name: &str| -> Result<TensorExtent, String> {
+        let &(offset, len) = at.get(name).ok_or_else(|| format!("no tensor {name}"))?;
+        Ok(TensorExtent {
+            file: 0,
+            offset,
+            len,
+        })
+    };
+    let mut all = Vec::new();
+    for e in 0..EXPERTS {
+        let mut weights = [ext(&tensor_name(e, 0))?; 3];
+        let mut scales = weights;
+        for p in 0..3 {
+            weights[p] = ext(&tensor_name(e, p))?;
+            scales[p] = ext(&format!("{}.qs", tensor_name(e, p)))?;
+        }
+        all.push(ExpertExtents {
+            weights,
+            scales,
+            formats,
+        });
+    }
+    Ok((all, header))
 }
 
 fn drop_cache(path: &Path) {
@@ -115,12 +154,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         EXPERTS,
         path.display()
     );
-    write_file(&path)?;
+    let (extents, data_start) = write_file(&path)?;
     let total = u64::from(EXPERTS) * EXPERT_BYTES;
 
-    let layouts: HashMap<(u32, u32), SlotLayout> = (0..EXPERTS)
-        .map(|e| Ok(((0, e), SlotLayout::plan(0, e, &extents(e))?)))
+    let layouts: HashMap<(u32, u32), SlotLayout> = extents
+        .iter()
+        .enumerate()
+        .map(|(e, x)| Ok(((0, e as u32), SlotLayout::plan(0, e as u32, x)?)))
         .collect::<Result<_, glm_stream::experts::ExpertError>>()?;
+    let l0 = &layouts[&(0, 0)];
+    eprintln!(
+        "data region at byte {data_start} ({} mod 16); expert 0: weights {}, scales {:?}, {} direct + {} staged reads",
+        data_start % 16,
+        if l0.contiguous {
+            "one span into the slot"
+        } else {
+            "staged"
+        },
+        l0.scale_path,
+        l0.reads.len(),
+        l0.staged.len()
+    );
     let source = FileExpertSource::open(std::slice::from_ref(&path), layouts, true)?;
     if !source.is_direct() {
         eprintln!("warning: O_DIRECT unavailable on this file system; buffered reads");
@@ -183,8 +237,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for _ in 0..iters {
                 drop_cache(&path);
                 let start = Instant::now();
+                let base = data_start / 4096 * 4096;
                 for e in 0..u64::from(EXPERTS) {
-                    match read_full_at(&direct, e * EXPERT_BYTES, buf, true) {
+                    match read_full_at(&direct, base + e * EXPERT_BYTES, buf, true) {
                         Ok(n) if n == EXPERT_BYTES => {}
                         Ok(n) => panic!("short read: {n} bytes"),
                         Err(err) => panic!("read failed: {err}"),

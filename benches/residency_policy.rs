@@ -12,8 +12,9 @@
 //!
 //! * `policy`: [`ResidencyPolicy`] exactly as the executor drives it
 //!   (`record_routes`, `acquire`, `complete`, `release`), default
-//!   configuration (half the budget for frequency pins, repinned every 64
-//!   rows);
+//!   configuration (three quarters of the budget beyond one token's working
+//!   set for frequency pins, all but one request when the budget is below
+//!   it; repinned every 64 rows);
 //! * `lru`: evict the least recently used expert not in the current request;
 //! * `belady`: evict the resident expert (not in the current request) whose
 //!   next use is farthest in the future — the optimum for demand loading.

@@ -603,3 +603,299 @@ fn container_experts_stream_into_slots_byte_exact() {
     let t = m.telemetry().unwrap();
     assert_eq!(t.misses as usize, layouts.len());
 }
+
+/// A safetensors shard written by the converter's writer in the colibri
+/// order (every F32 `.qs` first by name, then the U8 weights by name) with
+/// `experts` tiny int4-g32 experts of layer 0, preceded by an F32 tensor of
+/// `pad` floats that sorts first (it shifts the alignment of everything
+/// after it). Returns the path, each expert's extents and the file bytes.
+fn write_colibri_shard(
+    dir: &std::path::Path,
+    experts: u32,
+    pad: usize,
+) -> (std::path::PathBuf, Vec<ExpertExtents>, Vec<u8>) {
+    use glm_stream::convert::writer::{ShardLayout, ShardWriter, TensorSpec};
+    use safetensors::Dtype as St;
+    let fmt = |rows, cols| ProjectionFormat {
+        bits: 4,
+        group_size: Some(32),
+        rows,
+        cols,
+    };
+    let formats = [fmt(64, 128), fmt(64, 128), fmt(128, 64)];
+    let name = |e: u32, p: usize| {
+        let proj = ["gate_proj", "up_proj", "down_proj"][p];
+        format!("model.layers.0.mlp.experts.{e}.{proj}.weight")
+    };
+    let mut specs = vec![TensorSpec::new("a.pad", St::F32, vec![pad])];
+    for e in 0..experts {
+        for (p, f) in formats.iter().enumerate() {
+            specs.push(TensorSpec::new(
+                name(e, p),
+                St::U8,
+                vec![f.weight_bytes().unwrap()],
+            ));
+            specs.push(TensorSpec::new(
+                format!("{}.qs", name(e, p)),
+                St::F32,
+                vec![f.scale_bytes().unwrap() / 4],
+            ));
+        }
+    }
+    let layout = ShardLayout::new(specs).unwrap();
+    let header = layout.header_bytes().len() as u64;
+    let entries: HashMap<String, (u64, u64)> = layout
+        .entries()
+        .iter()
+        .map(|e| {
+            let (b, n) = (e.begin as u64, (e.end - e.begin) as u64);
+            (e.spec.name.clone(), (header + b, n))
+        })
+        .collect();
+    let path = dir.join(format!("out-{pad:05}.safetensors"));
+    let mut w = ShardWriter::create(&path, layout.clone()).unwrap();
+    for (i, e) in layout.entries().iter().enumerate() {
+        let bytes: Vec<u8> = (0..e.end - e.begin)
+            .map(|j| (j * 13 + i * 101) as u8)
+            .collect();
+        w.write(&e.spec.name, &bytes).unwrap();
+    }
+    w.finish().unwrap();
+    let ext = |n: &str| {
+        let (offset, len) = entries[n];
+        TensorExtent {
+            file: 0,
+            offset,
+            len,
+        }
+    };
+    let all = (0..experts)
+        .map(|e| ExpertExtents {
+            weights: [0, 1, 2].map(|p| ext(&name(e, p))),
+            scales: [0, 1, 2].map(|p| ext(&format!("{}.qs", name(e, p)))),
+            formats,
+        })
+        .collect();
+    (path.clone(), all, std::fs::read(&path).unwrap())
+}
+
+/// Reads every expert of `ext` through a `FileExpertSource` into a
+/// 4096-aligned buffer and compares each tensor with the file's bytes.
+fn check_exact(path: &std::path::Path, ext: &[ExpertExtents], bytes: &[u8], direct: bool) {
+    let layouts: HashMap<(u32, u32), SlotLayout> = ext
+        .iter()
+        .enumerate()
+        .map(|(e, x)| ((0, e as u32), SlotLayout::plan(0, e as u32, x).unwrap()))
+        .collect();
+    let src = FileExpertSource::open(&[path.to_path_buf()], layouts.clone(), direct).unwrap();
+    let slot = src.max_slot_bytes().div_ceil(4096) * 4096;
+    let mut raw = vec![0u8; slot + 4096];
+    let pad = raw.as_ptr().align_offset(4096);
+    for (e, x) in ext.iter().enumerate() {
+        let dst = &mut raw[pad..pad + slot];
+        dst.fill(0xAB);
+        let got = src.read_expert(0, e as u32, dst).unwrap();
+        let l = &layouts[&(0, e as u32)];
+        assert!(got >= l.data_bytes);
+        for (i, p) in l.projections.iter().enumerate() {
+            let (w, s) = (x.weights[i], x.scales[i]);
+            assert_eq!(p.weight_offset % 16, 0);
+            assert_eq!(p.scale_offset % 16, 0);
+            assert_eq!(
+                &dst[p.weight_offset..p.weight_offset + w.len as usize],
+                &bytes[w.offset as usize..(w.offset + w.len) as usize],
+                "expert {e} projection {i} weight"
+            );
+            assert_eq!(
+                &dst[p.scale_offset..p.scale_offset + s.len as usize],
+                &bytes[s.offset as usize..(s.offset + s.len) as usize],
+                "expert {e} projection {i} scales"
+            );
+        }
+    }
+}
+
+#[test]
+fn adjacent_scales_come_in_one_span_read_and_are_exact() {
+    use glm_stream::experts::ScalePath;
+    let dir = tempfile::tempdir().unwrap();
+    let mut seen = HashSet::new();
+    // Pads of 1..=8 floats move the data region through every 4-byte phase
+    // mod 16 (the header moves too), so both span paths are exercised.
+    for pad in 1..=8 {
+        let (path, ext, bytes) = write_colibri_shard(dir.path(), 12, pad);
+        for x in &ext {
+            let l = SlotLayout::plan(0, 0, x).unwrap();
+            // The writer's order makes both triples adjacent.
+            assert_ne!(l.scale_path, ScalePath::PerTensor);
+            assert_eq!(l.reads.len() + l.staged.len(), 2, "one read per span");
+            assert_eq!(
+                l.scale_path == ScalePath::SpanInSlot,
+                x.scales.iter().all(|s| s.offset % 16 == 0)
+            );
+            seen.insert(l.scale_path);
+        }
+        for direct in [true, false] {
+            check_exact(&path, &ext, &bytes, direct);
+        }
+    }
+    assert!(seen.contains(&ScalePath::SpanInSlot) && seen.contains(&ScalePath::SpanStaged));
+}
+
+#[test]
+fn non_adjacent_scales_fall_back_to_per_tensor_reads_and_are_exact() {
+    use glm_stream::experts::ScalePath;
+    let dir = tempfile::tempdir().unwrap();
+    let (path, ext, bytes) = write_colibri_shard(dir.path(), 4, 4);
+    // Take gate's scales from another expert's place: the triple is no
+    // longer back to back (the slot must still get exactly those bytes).
+    let mut x = ext[0].clone();
+    x.scales[0] = ext[2].scales[0];
+    let l = SlotLayout::plan(0, 0, &x).unwrap();
+    assert_eq!(l.scale_path, ScalePath::PerTensor);
+    assert!(l.reads.iter().filter(|r| !r.direct_ok).count() >= 3);
+    check_exact(&path, &[x.clone()], &bytes, true);
+    // A truncated file fails cleanly on the scale span of the adjacent path.
+    let short = dir.path().join("short.safetensors");
+    let s0 = ext[1].scales.iter().map(|s| s.offset).min().unwrap();
+    std::fs::write(&short, &bytes[..s0 as usize + 10]).unwrap();
+    let layouts = HashMap::from([((0, 1), SlotLayout::plan(0, 1, &ext[1]).unwrap())]);
+    let src = FileExpertSource::open(&[short], layouts, true).unwrap();
+    let mut raw = vec![0u8; src.max_slot_bytes() + 8192];
+    let pad = raw.as_ptr().align_offset(4096);
+    let err = src
+        .read_expert(0, 1, &mut raw[pad..pad + src.max_slot_bytes()])
+        .unwrap_err();
+    assert!(
+        matches!(err, ExpertError::ShortRead { expert: 1, .. }),
+        "{err}"
+    );
+}
+
+/// A GLM-shaped decode trace (as `benches/residency_policy.rs`): per layer a
+/// Zipf(1) popularity over a random permutation; each routed slot repeats one
+/// of the previous token's experts of that layer with probability 0.5.
+fn zipf_trace(layers: u32, experts: u32, top_k: usize, tokens: usize) -> Vec<(u32, Vec<u32>)> {
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let w: Vec<f64> = (1..=experts).map(|r| 1.0 / f64::from(r)).collect();
+    let total: f64 = w.iter().sum();
+    let cdf: Vec<f64> = w
+        .iter()
+        .scan(0.0, |a, v| {
+            *a += v / total;
+            Some(*a)
+        })
+        .collect();
+    let perms: Vec<Vec<u32>> = (0..layers)
+        .map(|_| {
+            let mut p: Vec<u32> = (0..experts).collect();
+            p.shuffle(&mut rng);
+            p
+        })
+        .collect();
+    let mut prev = vec![Vec::<u32>::new(); layers as usize];
+    let mut out = Vec::new();
+    for _ in 0..tokens {
+        for l in 0..layers as usize {
+            let mut row = Vec::with_capacity(top_k);
+            while row.len() < top_k {
+                let e = if !prev[l].is_empty() && rng.random_bool(0.5) {
+                    prev[l][rng.random_range(0..prev[l].len())]
+                } else {
+                    let u: f64 = rng.random();
+                    perms[l][cdf.partition_point(|&c| c < u).min(experts as usize - 1)]
+                };
+                if !row.contains(&e) {
+                    row.push(e);
+                }
+            }
+            prev[l] = row.clone();
+            out.push((l as u32, row));
+        }
+    }
+    out
+}
+
+fn lru_hit_rate(trace: &[(u32, Vec<u32>)], slots: usize) -> f64 {
+    let mut last: HashMap<(u32, u32), u64> = HashMap::new();
+    let (mut hits, mut total) = (0u64, 0u64);
+    for (t, (layer, ids)) in trace.iter().enumerate() {
+        for &e in ids {
+            total += 1;
+            let k = (*layer, e);
+            if last.contains_key(&k) {
+                hits += 1;
+            } else if last.len() >= slots {
+                let victim = last
+                    .iter()
+                    .filter(|(v, _)| !(v.0 == *layer && ids.contains(&v.1)))
+                    .min_by_key(|(_, u)| **u)
+                    .map(|(v, _)| *v);
+                if let Some(v) = victim {
+                    last.remove(&v);
+                }
+            }
+            last.insert(k, t as u64);
+        }
+    }
+    hits as f64 / total as f64
+}
+
+fn policy_hit_rate(trace: &[(u32, Vec<u32>)], layers: u32, experts: u32, slots: usize) -> f64 {
+    let mut p = ResidencyPolicy::new(PolicyConfig::new(layers, experts, slots)).unwrap();
+    for (layer, ids) in trace {
+        p.record_routes(*layer, ids).unwrap();
+        let l = p.acquire(*layer, ids).unwrap();
+        for e in l.entries.iter().filter(|e| !e.hit) {
+            p.complete(l.id, e.slot, true).unwrap();
+        }
+        p.release(l.id).unwrap();
+    }
+    p.telemetry().hit_rate().unwrap()
+}
+
+#[test]
+fn adaptive_pins_never_lose_to_lru_around_the_working_set() {
+    // 20 layers × top-8: one token's working set is 160 slots. With half the
+    // budget pinned regardless of it, the policy fell to 24 % at 160 slots
+    // while LRU kept 54 %.
+    let (layers, experts) = (20, 256);
+    let trace = zipf_trace(layers, experts, 8, 400);
+    let mut p = ResidencyPolicy::new(PolicyConfig::new(layers, experts, 160)).unwrap();
+    let (layer, ids) = &trace[0];
+    let l = p.acquire(*layer, ids).unwrap();
+    for e in l.entries.iter().filter(|e| !e.hit) {
+        p.complete(l.id, e.slot, true).unwrap();
+    }
+    p.release(l.id).unwrap();
+    for (layer, ids) in &trace[1..20] {
+        let l = p.acquire(*layer, ids).unwrap();
+        for e in l.entries.iter().filter(|e| !e.hit) {
+            p.complete(l.id, e.slot, true).unwrap();
+        }
+        p.release(l.id).unwrap();
+    }
+    assert_eq!(p.working_set(), 160);
+    assert_eq!(p.pin_target(), 0, "at the working set the policy is LRU");
+    p.set_budget(80);
+    assert_eq!(
+        p.pin_target(),
+        72,
+        "below it, all but one request is pinned"
+    );
+    for slots in [80, 160, 320] {
+        let (pol, lru) = (
+            policy_hit_rate(&trace, layers, experts, slots),
+            lru_hit_rate(&trace, slots),
+        );
+        assert!(
+            pol >= lru - 1e-9,
+            "{slots} slots: policy {pol:.4} < LRU {lru:.4}"
+        );
+        if slots != 160 {
+            assert!(pol > lru, "{slots} slots: policy {pol:.4} ≤ LRU {lru:.4}");
+        }
+    }
+}

@@ -5,9 +5,19 @@
 //! the 4096-aligned span covering them (O_DIRECT-able) lands each weight at
 //! `its file offset − the span's aligned start`. That keeps a weight 16-byte
 //! aligned (what the kernels need) exactly when its file offset is, which
-//! holds for GLM shapes; otherwise each weight gets its own read at an
-//! aligned slot position. The small scale tensors follow, each 64-byte
-//! aligned, with one buffered read each (as colibri does).
+//! holds for GLM shapes. Adjacent weights off that alignment (a safetensors
+//! header is padded to 8 bytes only) still come in one O_DIRECT-able read,
+//! into an aligned scratch buffer whose three pieces are copied to aligned
+//! slot positions; weights that are not adjacent get one read each.
+//!
+//! The three scale tensors (`.qs`) are normally adjacent too (the converter's
+//! safetensors writer puts every F32 tensor first, sorted by name, so an
+//! expert's `down`/`gate`/`up` scales sit back to back in the F32 region).
+//! Then they also come in one O_DIRECT-able read of their 4096-aligned span
+//! ([`ScalePath`]): straight into the slot's scale area when their file
+//! offsets are 16-byte aligned, otherwise into an aligned scratch buffer
+//! whose pieces are copied to 64-byte aligned slot positions
+//! ([`StagedRead`]). Scales that are not adjacent get one buffered read each.
 
 use super::{ExpertError, Result};
 
@@ -129,18 +139,67 @@ pub struct SlotRead {
     pub direct_ok: bool,
 }
 
+/// One piece of a [`StagedRead`]: `len` bytes at `read_offset` of the read
+/// go to `slot_offset` of the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagedPiece {
+    /// Byte offset in the read's buffer.
+    pub read_offset: usize,
+    /// Slot byte offset the piece is copied to.
+    pub slot_offset: usize,
+    /// Bytes copied.
+    pub len: usize,
+}
+
+/// One 4096-aligned file read into a scratch buffer, whose pieces are then
+/// copied into the slot (adjacent tensors whose file offsets would land
+/// off the kernels' alignment if read in place).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagedRead {
+    /// Shard file index.
+    pub file: usize,
+    /// Absolute, 4096-aligned file offset of the first byte read.
+    pub offset: u64,
+    /// Bytes to read, a multiple of 4096 (may run past the end of file).
+    pub len: u64,
+    /// Bytes that must be read; fewer is a short read.
+    pub min_len: u64,
+    /// What goes where in the slot.
+    pub pieces: Vec<StagedPiece>,
+}
+
+/// How an expert's three scale tensors get into the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScalePath {
+    /// Adjacent and 16-byte aligned in the file: one O_DIRECT-able read of
+    /// their 4096-aligned span straight into the slot.
+    SpanInSlot,
+    /// Adjacent but not 16-byte aligned: one O_DIRECT-able read of the span
+    /// into scratch, then three copies to aligned slot positions.
+    SpanStaged,
+    /// Not adjacent (other files or gaps): one buffered read per tensor.
+    PerTensor,
+}
+
 /// The canonical slot layout of one expert.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotLayout {
     /// Gate, up, down.
     pub projections: [ProjectionLayout; 3],
-    /// The reads that fill the slot, weights first.
+    /// The reads that fill the slot directly, weights first.
     pub reads: Vec<SlotRead>,
+    /// Reads through a scratch buffer: the weight span when the weights are
+    /// adjacent but off the kernels' alignment, the scale span when the
+    /// scales are ([`ScalePath::SpanStaged`]).
+    pub staged: Vec<StagedRead>,
+    /// How the scales are read.
+    pub scale_path: ScalePath,
     /// Bytes of slot the layout uses.
     pub slot_bytes: usize,
     /// Bytes of tensor data (what a plain read of the six tensors moves).
     pub data_bytes: u64,
-    /// True when the three weights come from one contiguous read.
+    /// True when the three weights come from one contiguous read straight
+    /// into the slot (adjacent and 16-byte aligned in the file).
     pub contiguous: bool,
 }
 
@@ -187,12 +246,14 @@ impl SlotLayout {
         let mut order = [0usize, 1, 2];
         order.sort_by_key(|&i| ext.weights[i].offset);
         let w = &ext.weights;
-        let contiguous = order.windows(2).all(|p| {
+        let adjacent = order.windows(2).all(|p| {
             let (a, b) = (&w[p[0]], &w[p[1]]);
             a.file == b.file && a.offset + a.len == b.offset
-        }) && w.iter().all(|t| t.offset % KERNEL_ALIGN as u64 == 0);
+        });
+        let contiguous = adjacent && w.iter().all(|t| t.offset % KERNEL_ALIGN as u64 == 0);
 
         let mut reads = Vec::with_capacity(6);
+        let mut staged = Vec::new();
         let mut weight_offset = [0usize; 3];
         let mut cursor: usize;
         if contiguous {
@@ -213,6 +274,39 @@ impl SlotLayout {
                 weight_offset[i] = usize::try_from(w[i].offset - start).map_err(|_| overflow())?;
             }
             cursor = usize::try_from(end - start).map_err(|_| overflow())?;
+        } else if adjacent {
+            // One aligned read of the span into scratch; each weight is copied
+            // to a 4096-aligned slot position.
+            let first = &w[order[0]];
+            let last = &w[order[2]];
+            let start = first.offset / DIRECT_ALIGN * DIRECT_ALIGN;
+            let data_end = last.offset + last.len;
+            let end = data_end
+                .div_ceil(DIRECT_ALIGN)
+                .checked_mul(DIRECT_ALIGN)
+                .ok_or_else(overflow)?;
+            cursor = 0;
+            let mut pieces = Vec::with_capacity(3);
+            for i in 0..3 {
+                let len = usize::try_from(w[i].len).map_err(|_| overflow())?;
+                weight_offset[i] = cursor;
+                pieces.push(StagedPiece {
+                    read_offset: usize::try_from(w[i].offset - start).map_err(|_| overflow())?,
+                    slot_offset: cursor,
+                    len,
+                });
+                cursor = cursor
+                    .checked_add(len)
+                    .and_then(|c| align(c, DIRECT_ALIGN as usize))
+                    .ok_or_else(overflow)?;
+            }
+            staged.push(StagedRead {
+                file: first.file,
+                offset: start,
+                len: end - start,
+                min_len: data_end - start,
+                pieces,
+            });
         } else {
             cursor = 0;
             for i in 0..3 {
@@ -246,20 +340,90 @@ impl SlotLayout {
             }
         }
         let mut scale_offset = [0usize; 3];
-        for (t, so) in ext.scales.iter().zip(&mut scale_offset) {
-            cursor = align(cursor, SCALE_ALIGN).ok_or_else(overflow)?;
-            *so = cursor;
-            reads.push(SlotRead {
-                file: t.file,
-                offset: t.offset,
-                len: t.len,
-                min_len: t.len,
-                slot_offset: cursor,
-                direct_ok: false,
-            });
-            cursor = cursor
-                .checked_add(usize::try_from(t.len).map_err(|_| overflow())?)
-                .ok_or_else(overflow)?;
+        let sc = &ext.scales;
+        let mut sorder = [0usize, 1, 2];
+        sorder.sort_by_key(|&i| sc[i].offset);
+        let scales_adjacent = sorder.windows(2).all(|p| {
+            let (a, b) = (&sc[p[0]], &sc[p[1]]);
+            a.file == b.file && a.offset + a.len == b.offset
+        });
+        let scale_path = if !scales_adjacent {
+            ScalePath::PerTensor
+        } else if sc.iter().all(|t| t.offset % KERNEL_ALIGN as u64 == 0) {
+            ScalePath::SpanInSlot
+        } else {
+            ScalePath::SpanStaged
+        };
+        let (span_start, span_data_end) = {
+            let first = &sc[sorder[0]];
+            let last = &sc[sorder[2]];
+            (
+                first.offset / DIRECT_ALIGN * DIRECT_ALIGN,
+                last.offset + last.len,
+            )
+        };
+        let span_end = span_data_end
+            .div_ceil(DIRECT_ALIGN)
+            .checked_mul(DIRECT_ALIGN)
+            .ok_or_else(overflow)?;
+        match scale_path {
+            ScalePath::SpanInSlot => {
+                cursor = align(cursor, DIRECT_ALIGN as usize).ok_or_else(overflow)?;
+                reads.push(SlotRead {
+                    file: sc[sorder[0]].file,
+                    offset: span_start,
+                    len: span_end - span_start,
+                    min_len: span_data_end - span_start,
+                    slot_offset: cursor,
+                    direct_ok: true,
+                });
+                for (t, so) in sc.iter().zip(&mut scale_offset) {
+                    *so =
+                        cursor + usize::try_from(t.offset - span_start).map_err(|_| overflow())?;
+                }
+                cursor = cursor
+                    .checked_add(usize::try_from(span_end - span_start).map_err(|_| overflow())?)
+                    .ok_or_else(overflow)?;
+            }
+            ScalePath::SpanStaged => {
+                let mut pieces = Vec::with_capacity(3);
+                for (t, so) in sc.iter().zip(&mut scale_offset) {
+                    cursor = align(cursor, SCALE_ALIGN).ok_or_else(overflow)?;
+                    *so = cursor;
+                    let len = usize::try_from(t.len).map_err(|_| overflow())?;
+                    pieces.push(StagedPiece {
+                        read_offset: usize::try_from(t.offset - span_start)
+                            .map_err(|_| overflow())?,
+                        slot_offset: cursor,
+                        len,
+                    });
+                    cursor = cursor.checked_add(len).ok_or_else(overflow)?;
+                }
+                staged.push(StagedRead {
+                    file: sc[sorder[0]].file,
+                    offset: span_start,
+                    len: span_end - span_start,
+                    min_len: span_data_end - span_start,
+                    pieces,
+                });
+            }
+            ScalePath::PerTensor => {
+                for (t, so) in sc.iter().zip(&mut scale_offset) {
+                    cursor = align(cursor, SCALE_ALIGN).ok_or_else(overflow)?;
+                    *so = cursor;
+                    reads.push(SlotRead {
+                        file: t.file,
+                        offset: t.offset,
+                        len: t.len,
+                        min_len: t.len,
+                        slot_offset: cursor,
+                        direct_ok: false,
+                    });
+                    cursor = cursor
+                        .checked_add(usize::try_from(t.len).map_err(|_| overflow())?)
+                        .ok_or_else(overflow)?;
+                }
+            }
         }
         let projections = [0, 1, 2].map(|i| ProjectionLayout {
             format: ext.formats[i],
@@ -270,6 +434,8 @@ impl SlotLayout {
         Ok(Self {
             projections,
             reads,
+            staged,
+            scale_path,
             slot_bytes: cursor,
             data_bytes,
             contiguous,
@@ -414,7 +580,10 @@ mod tests {
             let l = SlotLayout::plan(3, 7, &glm_extents(f, 80 + 4096 * 3)).unwrap();
             assert_eq!(l.data_bytes, bytes);
             assert!(l.contiguous);
-            assert_eq!(l.reads.len(), 4);
+            // One weight span and one scale span, both O_DIRECT-able.
+            assert_eq!(l.reads.len(), 2);
+            assert!(l.reads.iter().all(|r| r.direct_ok));
+            assert_eq!(l.scale_path, ScalePath::SpanInSlot);
             assert!(l.slot_bytes as u64 >= bytes);
             for p in &l.projections {
                 assert_eq!(p.weight_offset % KERNEL_ALIGN, 0);
@@ -424,10 +593,22 @@ mod tests {
     }
 
     #[test]
-    fn unaligned_span_reads_per_projection() {
+    fn unaligned_adjacent_spans_are_staged() {
+        // Adjacent but 6 mod 16: both spans staged through scratch.
         let l = SlotLayout::plan(3, 7, &glm_extents(g64, 4096 + 6)).unwrap();
         assert!(!l.contiguous);
-        assert_eq!(l.reads.len(), 6);
+        assert!(l.reads.is_empty());
+        assert_eq!(l.scale_path, ScalePath::SpanStaged);
+        assert_eq!(l.staged.len(), 2);
+        for st in &l.staged {
+            assert_eq!(st.offset % DIRECT_ALIGN, 0);
+            assert_eq!(st.len % DIRECT_ALIGN, 0);
+            assert!(
+                st.pieces
+                    .iter()
+                    .all(|p| p.slot_offset + p.len <= l.slot_bytes)
+            );
+        }
         for p in &l.projections {
             assert_eq!(p.weight_offset % KERNEL_ALIGN, 0);
         }
@@ -441,6 +622,93 @@ mod tests {
                 .iter()
                 .all(|r| r.direct_ok && r.slot_offset % 4096 == 0)
         );
+    }
+
+    /// The converter's safetensors order: every F32 `.qs` first, sorted by
+    /// name (down, gate, up), then the U8 weights in the same order.
+    fn colibri_extents(f32_base: u64, u8_base: u64) -> ExpertExtents {
+        let formats = [g64(2048, 6144), g64(2048, 6144), g64(6144, 2048)];
+        let by_name = [2usize, 0, 1]; // down, gate, up
+        let mut weights = [TensorExtent {
+            file: 0,
+            offset: 0,
+            len: 0,
+        }; 3];
+        let mut scales = weights;
+        let (mut fo, mut uo) = (f32_base, u8_base);
+        for &i in &by_name {
+            let sl = formats[i].scale_bytes().unwrap() as u64;
+            scales[i] = TensorExtent {
+                file: 0,
+                offset: fo,
+                len: sl,
+            };
+            fo += sl;
+            let wl = formats[i].weight_bytes().unwrap() as u64;
+            weights[i] = TensorExtent {
+                file: 0,
+                offset: uo,
+                len: wl,
+            };
+            uo += wl;
+        }
+        ExpertExtents {
+            weights,
+            scales,
+            formats,
+        }
+    }
+
+    #[test]
+    fn colibri_order_reads_scales_in_one_span() {
+        // 16-aligned offsets: both spans land in the slot directly.
+        let l = SlotLayout::plan(1, 2, &colibri_extents(4096 + 32, 1 << 30)).unwrap();
+        assert!(l.contiguous);
+        assert_eq!(l.scale_path, ScalePath::SpanInSlot);
+        assert_eq!(l.reads.len(), 2);
+        assert!(l.staged.is_empty());
+        let s = &l.reads[1];
+        assert!(s.direct_ok && s.offset % DIRECT_ALIGN == 0 && s.len % DIRECT_ALIGN == 0);
+        assert_eq!(s.slot_offset % DIRECT_ALIGN as usize, 0);
+        assert!(s.slot_offset + s.len as usize <= l.slot_bytes);
+        // Down's scales come first in the file, then gate's, then up's.
+        let [g, u, d] = l.projections.map(|p| p.scale_offset);
+        assert_eq!(g - d, 786_432);
+        assert_eq!(u - g, 786_432);
+        assert_eq!(d, s.slot_offset + 32);
+        // 8 mod 16 (a header padded to 8 only): one staged span read.
+        let l = SlotLayout::plan(1, 2, &colibri_extents(4096 + 8, (1 << 30) + 8)).unwrap();
+        assert_eq!(l.scale_path, ScalePath::SpanStaged);
+        assert!(!l.contiguous && l.reads.is_empty());
+        assert_eq!(l.staged.len(), 2, "weight span and scale span");
+        let st = &l.staged[1];
+        assert_eq!((st.offset, st.len), (4096, 3 * 786_432 + 4096));
+        assert_eq!(st.min_len, 3 * 786_432 + 8);
+        let mut pieces = st.pieces.clone();
+        pieces.sort_by_key(|p| p.read_offset);
+        assert_eq!(
+            pieces.iter().map(|p| p.read_offset).collect::<Vec<_>>(),
+            [8, 8 + 786_432, 8 + 2 * 786_432]
+        );
+        for p in &l.projections {
+            assert_eq!(p.scale_offset % 64, 0);
+        }
+        assert!(l.slot_bytes >= l.projections.map(|p| p.scale_offset + 786_432)[2]);
+    }
+
+    #[test]
+    fn non_adjacent_scales_fall_back_to_per_tensor_reads() {
+        let mut e = colibri_extents(4096, 1 << 30);
+        e.scales[1].offset += 4; // a gap between gate's and up's scales
+        let l = SlotLayout::plan(1, 2, &e).unwrap();
+        assert_eq!(l.scale_path, ScalePath::PerTensor);
+        assert!(l.staged.is_empty());
+        assert_eq!(l.reads.len(), 4);
+        assert!(l.reads[1..].iter().all(|r| !r.direct_ok));
+        let mut e = colibri_extents(4096, 1 << 30);
+        e.scales[2].file = 1; // another shard
+        let l = SlotLayout::plan(1, 2, &e).unwrap();
+        assert_eq!(l.scale_path, ScalePath::PerTensor);
     }
 
     #[test]

@@ -18,7 +18,7 @@ pub mod residency;
 pub mod slab;
 
 pub use layout::ProjectionFormat;
-pub use layout::{ExpertExtents, Projection, SlotLayout, TensorExtent};
+pub use layout::{ExpertExtents, Projection, ScalePath, SlotLayout, TensorExtent};
 pub use reader::{DirectUpload, ExpertSource, FileExpertSource, SlotTarget, SlotUpload};
 pub use residency::{
     Lease, LeaseEntry, PolicyConfig, PolicyEntry, PolicyLease, ResidencyManager, ResidencyPolicy,

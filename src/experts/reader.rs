@@ -324,11 +324,32 @@ impl FileExpertSource {
             });
         }
         for ((layer, expert), l) in &layouts {
-            if let Some(r) = l.reads.iter().find(|r| r.file >= shards.len()) {
+            let files = l.reads.iter().map(|r| r.file);
+            if let Some(f) = files
+                .chain(l.staged.iter().map(|r| r.file))
+                .find(|&f| f >= shards.len())
+            {
                 return Err(ExpertError::Layout {
                     layer: *layer,
                     expert: *expert,
-                    message: format!("read names file {} of {}", r.file, shards.len()),
+                    message: format!("read names file {f} of {}", shards.len()),
+                });
+            }
+            let oob = l.staged.iter().any(|r| {
+                r.pieces.iter().any(|p| {
+                    p.slot_offset
+                        .checked_add(p.len)
+                        .is_none_or(|e| e > l.slot_bytes)
+                        || p.read_offset
+                            .checked_add(p.len)
+                            .is_none_or(|e| e as u64 > r.min_len)
+                })
+            });
+            if oob {
+                return Err(ExpertError::Layout {
+                    layer: *layer,
+                    expert: *expert,
+                    message: "a staged piece lies outside its read or the slot".into(),
                 });
             }
         }
@@ -402,6 +423,25 @@ impl ExpertSource for FileExpertSource {
                 actual: dst.len() as u64,
             });
         }
+        let io_err = |shard: &Shard, offset: u64, len: u64| {
+            let path = shard.path.clone();
+            move |source| ExpertError::Io {
+                layer,
+                expert,
+                path,
+                offset,
+                len,
+                source,
+            }
+        };
+        let short = |shard: &Shard, offset: u64, min_len: u64, got: u64| ExpertError::ShortRead {
+            layer,
+            expert,
+            path: shard.path.clone(),
+            offset,
+            end: offset + min_len,
+            got_end: offset + got,
+        };
         let mut total = 0u64;
         for r in &layout.reads {
             let shard = &self.shards[r.file];
@@ -410,33 +450,74 @@ impl ExpertSource for FileExpertSource {
             // to the slot and require only the data bytes.
             let end_clipped = end.min(dst.len());
             let buf = &mut dst[r.slot_offset..end_clipped];
-            let aligned_buf = (buf.as_ptr() as usize) % super::layout::DIRECT_ALIGN as usize == 0
-                && buf.len() % super::layout::DIRECT_ALIGN as usize == 0;
-            let (file, direct) = match (&shard.direct, r.direct_ok && aligned_buf) {
-                (Some(f), true) => (f, true),
-                _ => (&shard.buffered, false),
-            };
-            let got =
-                read_full_at(file, r.offset, buf, direct).map_err(|source| ExpertError::Io {
-                    layer,
-                    expert,
-                    path: shard.path.clone(),
-                    offset: r.offset,
-                    len: r.len,
-                    source,
-                })?;
+            let (file, direct) = shard.pick(r.direct_ok, buf);
+            let got = read_full_at(file, r.offset, buf, direct)
+                .map_err(io_err(shard, r.offset, r.len))?;
             if got < r.min_len {
-                return Err(ExpertError::ShortRead {
-                    layer,
-                    expert,
-                    path: shard.path.clone(),
-                    offset: r.offset,
-                    end: r.offset + r.min_len,
-                    got_end: r.offset + got,
-                });
+                return Err(short(shard, r.offset, r.min_len, got));
             }
+            total += got;
+        }
+        for r in &layout.staged {
+            let shard = &self.shards[r.file];
+            let len = usize::try_from(r.len).map_err(|_| ExpertError::Layout {
+                layer,
+                expert,
+                message: format!("a staged read of {} bytes does not fit memory", r.len),
+            })?;
+            let got = SCRATCH.with(|cell| -> Result<u64> {
+                let mut scratch = cell.borrow_mut();
+                let buf = scratch.get(len);
+                let (file, direct) = shard.pick(true, buf);
+                let got = read_full_at(file, r.offset, buf, direct)
+                    .map_err(io_err(shard, r.offset, r.len))?;
+                if got < r.min_len {
+                    return Err(short(shard, r.offset, r.min_len, got));
+                }
+                for p in &r.pieces {
+                    dst[p.slot_offset..p.slot_offset + p.len]
+                        .copy_from_slice(&buf[p.read_offset..p.read_offset + p.len]);
+                }
+                Ok(got)
+            })?;
             total += got;
         }
         Ok(total)
     }
+}
+
+impl Shard {
+    /// The descriptor for a read into `buf`: the uncached one when the read
+    /// is direct-capable, the buffer is 4096-aligned in address and length,
+    /// and the shard has one; the buffered one otherwise.
+    fn pick(&self, direct_ok: bool, buf: &[u8]) -> (&File, bool) {
+        let a = super::layout::DIRECT_ALIGN as usize;
+        let aligned = (buf.as_ptr() as usize) % a == 0 && buf.len() % a == 0;
+        match (&self.direct, direct_ok && aligned) {
+            (Some(f), true) => (f, true),
+            _ => (&self.buffered, false),
+        }
+    }
+}
+
+/// A reusable 4096-aligned buffer for staged reads (one per I/O thread).
+#[derive(Default)]
+struct Scratch {
+    raw: Vec<u8>,
+}
+
+impl Scratch {
+    /// An aligned `len`-byte window of the buffer, grown as needed.
+    fn get(&mut self, len: usize) -> &mut [u8] {
+        let a = super::layout::DIRECT_ALIGN as usize;
+        if self.raw.len() < len + a {
+            self.raw = vec![0; len + a];
+        }
+        let pad = self.raw.as_ptr().align_offset(a);
+        &mut self.raw[pad..pad + len]
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }

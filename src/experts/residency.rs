@@ -15,9 +15,23 @@
 //!
 //! Eviction: empty slots first, then the least recently used unpinned slot,
 //! then (last resort) the least recently used pinned one. Pins are the most
-//! frequently routed experts of the history (a `pin_fraction` of the budget),
-//! recomputed every `repin_interval` recorded routes; the history persists
-//! in colibri's `.coli_usage` format.
+//! frequently routed experts of the history, recomputed every
+//! `repin_interval` recorded routes; the history persists in colibri's
+//! `.coli_usage` format.
+//!
+//! How many pins adapts to the budget ([`ResidencyPolicy::pin_target`]). Let
+//! `W` be one token's working set, learned from the requests (distinct layers
+//! seen × the largest request). Recency (LRU) is worth something only while
+//! the unpinned part of the pool still holds `W`: an expert reused by the
+//! next token comes back after about `W` other requests. So
+//!
+//! * budget ≥ `W`: pin `pin_fraction · (budget − W)`, keeping at least `W`
+//!   slots for LRU (at budget = `W` the policy is plain LRU);
+//! * budget < `W`: LRU would thrash (every expert is evicted before its next
+//!   use), so pin all but one request's worth of slots: frequency is the
+//!   only signal left.
+//!
+//! Before any request `W` is unknown and `pin_fraction · budget` is pinned.
 
 use super::reader::{IoPool, LoadDone, RawSlot};
 use super::slab::{SlabConfig, SlabStore, SlotHandle};
@@ -39,20 +53,22 @@ pub struct PolicyConfig {
     pub experts: u32,
     /// Slots in the pool.
     pub slots: usize,
-    /// Share of the budget reserved for frequency pins (0 disables pinning).
+    /// Share of the budget beyond one token's working set given to frequency
+    /// pins (0 disables pinning); see the module docs.
     pub pin_fraction: f64,
     /// Recorded routing rows between pin recomputations.
     pub repin_interval: u64,
 }
 
 impl PolicyConfig {
-    /// Half the budget pinned, pins recomputed every 64 routed rows.
+    /// Three quarters of the budget beyond the working set pinned, pins recomputed every
+    /// 64 routed rows.
     pub fn new(layers: u32, experts: u32, slots: usize) -> Self {
         Self {
             layers,
             experts,
             slots,
-            pin_fraction: 0.5,
+            pin_fraction: 0.75,
             repin_interval: 64,
         }
     }
@@ -165,6 +181,11 @@ pub struct ResidencyPolicy {
     clock: u64,
     next_lease: u64,
     since_repin: u64,
+    /// Layers seen in requests, and how many.
+    seen_layers: Vec<bool>,
+    seen_layer_count: usize,
+    /// The most experts one request asked for.
+    max_request: usize,
     telemetry: Telemetry,
 }
 
@@ -203,6 +224,9 @@ impl ResidencyPolicy {
             clock: 0,
             next_lease: 1,
             since_repin: 0,
+            seen_layers: vec![false; cfg.layers as usize],
+            seen_layer_count: 0,
+            max_request: 0,
             telemetry: Telemetry {
                 per_layer: vec![(0, 0); cfg.layers as usize],
                 ..Telemetry::default()
@@ -239,6 +263,13 @@ impl ResidencyPolicy {
         }
         // Commit.
         self.clock += 1;
+        self.max_request = self.max_request.max(experts.len());
+        if let Some(seen) = self.seen_layers.get_mut(layer as usize) {
+            if !*seen {
+                *seen = true;
+                self.seen_layer_count += 1;
+            }
+        }
         let mut entries = vec![
             PolicyEntry {
                 expert: 0,
@@ -427,11 +458,35 @@ impl ResidencyPolicy {
         Ok(())
     }
 
+    /// One token's working set in slots as learned so far: distinct layers
+    /// requested × the largest request (0 before any request).
+    pub fn working_set(&self) -> usize {
+        self.seen_layer_count.saturating_mul(self.max_request)
+    }
+
+    /// How many experts [`ResidencyPolicy::repin`] pins at the current budget
+    /// (see the module docs).
+    pub fn pin_target(&self) -> usize {
+        let b = self.budget;
+        let w = self.working_set();
+        let f = self.cfg.pin_fraction;
+        if f == 0.0 {
+            0
+        } else if w == 0 {
+            (f * b as f64).floor() as usize
+        } else if b >= w {
+            (f * (b - w) as f64).floor() as usize
+        } else {
+            b.saturating_sub(self.max_request)
+        }
+    }
+
     /// Recomputes the pinned set: the most used experts, up to
-    /// `pin_fraction · budget` of them (ties: lower layer, lower expert).
+    /// [`ResidencyPolicy::pin_target`] of them (ties: lower layer, lower
+    /// expert).
     pub fn repin(&mut self) {
         self.since_repin = 0;
-        let n = (self.cfg.pin_fraction * self.budget as f64).floor() as usize;
+        let n = self.pin_target();
         let mut keys: Vec<(u64, usize)> = self
             .usage
             .iter()
