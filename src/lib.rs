@@ -6,6 +6,7 @@ pub mod container;
 pub mod convert;
 pub mod executor;
 pub mod experts;
+pub mod kernels;
 pub mod mlx;
 pub mod moe;
 pub mod quant;
