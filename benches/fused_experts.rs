@@ -169,11 +169,15 @@ impl Pool {
     }
 }
 
-/// Median seconds per layer of `runner` for `rows` rows.
+/// Median seconds per layer of `runner` for `rows` rows, evaluating `batch`
+/// independent layers (distinct random experts) per `eval` (1: one layer's
+/// latency including graph build, launch and sync; more: GPU throughput
+/// with MLX's per-eval overhead amortized).
 fn layer_time(
     pool: &Pool,
     runner: &FusedExperts,
     rows: usize,
+    batch: usize,
     rng: &mut Rng,
 ) -> BenchResult<(f64, f64, f64)> {
     let xs: Vec<f32> = (0..rows * HIDDEN)
@@ -183,27 +187,37 @@ fn layer_time(
     let w = mlx::full(&[rows as i32, TOP_K as i32], 0.125, Dtype::Float32)?;
     mlx::eval(&[&x, &w])?;
     let mut times = Vec::new();
-    for i in 0..330 {
-        let mut ids: Vec<usize> = Vec::with_capacity(TOP_K);
-        while ids.len() < TOP_K {
-            let s = rng.below(pool.slots());
-            if !ids.contains(&s) {
-                ids.push(s);
-            }
-        }
-        let t = Instant::now();
-        let views = ids
-            .iter()
-            .map(|&s| pool.view(s))
-            .collect::<BenchResult<Vec<_>>>()?;
-        let slots: Vec<ExpertSlot<'_>> = views
-            .iter()
-            .map(|v| ExpertSlot::new(v, &pool.layout))
+    let iters = 330 / batch;
+    for i in 0..iters {
+        let picks: Vec<Vec<usize>> = (0..batch)
+            .map(|_| {
+                let mut ids: Vec<usize> = Vec::with_capacity(TOP_K);
+                while ids.len() < TOP_K {
+                    let s = rng.below(pool.slots());
+                    if !ids.contains(&s) {
+                        ids.push(s);
+                    }
+                }
+                ids
+            })
             .collect();
-        let y = runner.forward(&x, &slots, &w)?;
-        y.eval()?;
-        if i >= 30 {
-            times.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let mut ys = Vec::with_capacity(batch);
+        for ids in &picks {
+            let views = ids
+                .iter()
+                .map(|&s| pool.view(s))
+                .collect::<BenchResult<Vec<_>>>()?;
+            let slots: Vec<ExpertSlot<'_>> = views
+                .iter()
+                .map(|v| ExpertSlot::new(v, &pool.layout))
+                .collect();
+            ys.push(runner.forward(&x, &slots, &w)?);
+        }
+        let refs: Vec<&Array> = ys.iter().collect();
+        mlx::eval(&refs)?;
+        if i >= iters / 10 {
+            times.push(t.elapsed().as_secs_f64() / batch as f64);
         }
     }
     Ok((
@@ -227,8 +241,9 @@ fn layer_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
         Ok(f) if Environment::current().gpu_default => Some(f),
         _ => None,
     };
-    for rows in [1usize, 2, 4, 8] {
-        let (s, s10, s90) = layer_time(&pool, &stock, rows, rng)?;
+    for (rows, batch) in [(1usize, 1usize), (2, 1), (4, 1), (8, 1), (1, 16), (4, 16)] {
+        println!("  -- M={rows}, {batch} layer(s) per eval");
+        let (s, s10, s90) = layer_time(&pool, &stock, rows, batch, rng)?;
         let gb = |t: f64| TOP_K as f64 * expert_bytes / t / 1e9;
         println!(
             "  M={rows} stock: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s",
@@ -243,7 +258,7 @@ fn layer_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
             if !matches!(f.path(rows, &probe)?, Path::Fused(_)) {
                 continue;
             }
-            let (t, t10, t90) = layer_time(&pool, f, rows, rng)?;
+            let (t, t10, t90) = layer_time(&pool, f, rows, batch, rng)?;
             println!(
                 "  M={rows} fused: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s = {:.0} % of hbm; {:.2}× stock",
                 t * 1e6,
@@ -329,6 +344,9 @@ fn median_of(n: usize, mut f: impl FnMut() -> BenchResult<f64>) -> BenchResult<f
     Ok(percentile(&mut v, 0.5))
 }
 
+/// One way of writing an expert's bytes into the slot from the host.
+type HostWrite = Box<dyn Fn(&mut [u8], &[u8])>;
+
 fn upload_bench(rng: &mut Rng) -> BenchResult<()> {
     let layout = glm_layout()?;
     let n = layout.slot_bytes;
@@ -346,7 +364,7 @@ fn upload_bench(rng: &mut Rng) -> BenchResult<()> {
     };
     touch(&slot)?;
     mlx::synchronize()?;
-    let mut variants: Vec<(&str, Box<dyn Fn(&mut [u8], &[u8])>)> = vec![
+    let mut variants: Vec<(&str, HostWrite)> = vec![
         (
             "memcpy",
             Box::new(|d: &mut [u8], s: &[u8]| d.copy_from_slice(s)),

@@ -57,7 +57,9 @@ fn projection(bytes: &Array, p: &ProjectionLayout, input: &Array, dtype: Dtype) 
                     .view(Dtype::Uint32)?
             };
             let s = if repeat > 1 {
-                scales.repeat(repeat, 1)?
+                // Materialized: MLX's CUDA qmv refused the lazily repeated
+                // scales of a per-row format at M = 1 on the H200.
+                scales.repeat(repeat, 1)?.contiguous()?
             } else {
                 scales
             };
