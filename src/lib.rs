@@ -7,6 +7,7 @@ pub mod convert;
 pub mod executor;
 pub mod experts;
 pub mod generate;
+pub mod kernels;
 pub mod mlx;
 pub mod moe;
 pub mod quant;

@@ -1,0 +1,286 @@
+//! Fused Q4/Q8 SwiGLU expert kernels over slot bytes, with the stock MLX
+//! path beside them.
+//!
+//! [`FusedExperts::forward`] computes, for input rows `x` (`[M, H]`) and `E`
+//! experts that live in slot memory,
+//!
+//! ```text
+//! y[m] = Σ_e w[m, e] · down_e( silu(gate_e · x[m]) ⊙ (up_e · x[m]) )
+//! ```
+//!
+//! returning `[M, H]` in `x`'s dtype. Each expert is given as its slot's
+//! bytes (a 1-D `uint8` array, e.g. `SlabStore::view(handle, 0,
+//! &[slot_bytes], Dtype::Uint8)`) and the slot layout's three
+//! [`ProjectionLayout`]s; the routing weights are an `[M, E]` array (zero
+//! where a row does not use an expert). A single expert's SwiGLU is the same
+//! call with `E = 1` and `w = 1`.
+//!
+//! # Paths
+//!
+//! * **Stock** ([`Path::Stock`]): per expert and projection, MLX
+//!   `quantized_matmul` on zero-copy views of the slot bytes (int4 as
+//!   `uint32 [O, I/8]` with biases `−8·scales`, int8 via `xor 0x80` and 8-bit
+//!   affine, exactly as the streamed executor does), then the weighted sum.
+//! * **Fused** ([`Path::Fused`]): two custom kernels. K1 (`swiglu_gate_up.cu`)
+//!   runs gate and up of all experts in one launch (one expert per
+//!   `blockIdx.y`, 8 warps × 4 rows per block), streaming 16-byte chunks of
+//!   the weights with `x` staged in shared memory, and writes
+//!   `h = silu(g)·u` (f32 `[E, M, I]`). K2 (`swiglu_down.cu`) stages `h` in
+//!   shared memory and runs every expert's down projection and the weighted
+//!   sum (8 warps × 2 output rows per block). Accumulation is f32; int4 is
+//!   `(n − 8)·scale` (group scales applied per 32-column chunk, per-row
+//!   scales at the end), int8 is `q·scale` per row. The CUDA sources are
+//!   compiled by MLX (NVRTC) on first use and cached per (stage, E, M,
+//!   format, dims); the Metal twin (`*.metal`) is a line-for-line
+//!   translation, **untested** (no Mac).
+//!
+//! [`KernelFamily`] pins a path: `Stock`, `Fused` (an error when this build
+//! or device cannot run it, never a silent fallback) or `Auto` (fused on a
+//! GPU build with a GPU default device and at most [`select::AUTO_MAX_ROWS`]
+//! rows, stock otherwise). See [`select`] for the rules.
+//!
+//! Requirements of the fused path (checked; `Auto` falls back to stock):
+//! gate and up share one format; 4-bit or 8-bit weights; columns a multiple
+//! of 32 (int4) or 16 (int8); group sizes multiples of 32 / 16 dividing the
+//! columns; weight offsets 16-byte and scale offsets 4-byte aligned in the
+//! slot; all experts of a call share one format. The slot byte arrays must
+//! start 16-byte aligned (slot views do: slots are 4 KiB aligned).
+//!
+//! All MLX work happens on the calling thread; like [`Array`],
+//! [`FusedExperts`] is neither `Send` nor `Sync`.
+
+mod cuda;
+mod fused;
+mod metal;
+pub mod select;
+mod stock;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use crate::experts::SlotLayout;
+use crate::experts::layout::ProjectionLayout;
+use crate::mlx::{Array, Dtype, MlxError};
+
+pub use select::{Environment, FusedGeometry, Path};
+
+/// An error from the expert kernels.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// `Fused` was requested but this build or device cannot run it.
+    #[error("fused expert kernels unavailable: {reason}")]
+    FusedUnavailable {
+        /// What is missing.
+        reason: String,
+    },
+    /// `Fused` was requested for a problem the kernels do not handle.
+    #[error("the fused expert kernels cannot run this call: {reason}")]
+    Unsupported {
+        /// Which requirement failed.
+        reason: String,
+    },
+    /// The inputs do not fit together.
+    #[error("expert kernels: {0}")]
+    Input(String),
+    /// MLX failed (graph construction or kernel compilation).
+    #[error(transparent)]
+    Mlx(#[from] MlxError),
+}
+
+/// Result alias for this module.
+pub type Result<T, E = KernelError> = std::result::Result<T, E>;
+
+/// Which implementation [`FusedExperts`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KernelFamily {
+    /// MLX `quantized_matmul` per expert and projection (always available).
+    Stock,
+    /// The fused kernels; calls fail when they cannot run.
+    Fused,
+    /// Fused where available and suitable (GPU, few rows), else stock.
+    #[default]
+    Auto,
+}
+
+impl std::str::FromStr for KernelFamily {
+    type Err = KernelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "stock" => Ok(Self::Stock),
+            "fused" => Ok(Self::Fused),
+            "auto" => Ok(Self::Auto),
+            other => Err(KernelError::Input(format!(
+                "unknown kernel family `{other}` (stock, fused, auto)"
+            ))),
+        }
+    }
+}
+
+/// One expert of a call: its slot bytes and where its projections sit.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertSlot<'a> {
+    /// The slot's bytes, a 1-D `uint8` array starting at the slot base.
+    pub bytes: &'a Array,
+    /// Gate, up, down (a [`SlotLayout`]'s `projections`).
+    pub projections: &'a [ProjectionLayout; 3],
+}
+
+impl<'a> ExpertSlot<'a> {
+    /// The expert in `bytes` laid out as `layout`.
+    pub fn new(bytes: &'a Array, layout: &'a SlotLayout) -> Self {
+        Self {
+            bytes,
+            projections: &layout.projections,
+        }
+    }
+}
+
+/// Runs routed SwiGLU experts straight from slot bytes, on the stock or the
+/// fused path (see the module docs). Compiled kernels are cached inside.
+pub struct FusedExperts {
+    family: KernelFamily,
+    environment: Environment,
+    kernels: RefCell<HashMap<fused::KernelKey, std::rc::Rc<crate::mlx::Kernel>>>,
+}
+
+impl FusedExperts {
+    /// A runner for `family` in the current environment. `Fused` fails here
+    /// when the build has no fused backend (the `cuda` feature on Linux, the
+    /// `metal` feature on macOS); a CPU default device is reported by the
+    /// first call, since the device can still change.
+    pub fn new(family: KernelFamily) -> Result<Self> {
+        Self::with_environment(family, Environment::current())
+    }
+
+    /// A runner with an explicit environment (tests; forcing the stock path
+    /// off a GPU default device).
+    pub fn with_environment(family: KernelFamily, environment: Environment) -> Result<Self> {
+        if family == KernelFamily::Fused && environment.fused_backend.is_none() {
+            return Err(KernelError::FusedUnavailable {
+                reason: select::unavailable_reason(),
+            });
+        }
+        Ok(Self {
+            family,
+            environment,
+            kernels: RefCell::new(HashMap::new()),
+        })
+    }
+
+    /// The requested family.
+    pub fn family(&self) -> KernelFamily {
+        self.family
+    }
+
+    /// The environment decisions are made in.
+    pub fn environment(&self) -> Environment {
+        self.environment
+    }
+
+    /// The path a call with `rows` input rows and these experts would take,
+    /// or why `Fused` cannot run it.
+    pub fn path(&self, rows: usize, experts: &[ExpertSlot<'_>]) -> Result<Path> {
+        let layouts: Vec<[ProjectionLayout; 3]> = experts.iter().map(|e| *e.projections).collect();
+        let geometry = self.geometry(&layouts);
+        select::select(self.family, &self.environment, rows, &geometry)
+    }
+
+    fn geometry(&self, layouts: &[[ProjectionLayout; 3]]) -> Result<FusedGeometry, String> {
+        match self.environment.fused_backend {
+            Some(b) => FusedGeometry::plan(layouts, select::shared_bytes(b)),
+            None => Err(select::unavailable_reason()),
+        }
+    }
+
+    /// `y[m] = Σ_e weights[m, e] · SwiGLU_e(x[m])`: `x` is `[M, H]` (a float
+    /// dtype), `weights` `[M, E]` (a float dtype), one [`ExpertSlot`] per
+    /// column of `weights`. Returns the (lazy) `[M, H]` result in `x`'s dtype.
+    pub fn forward(&self, x: &Array, experts: &[ExpertSlot<'_>], weights: &Array) -> Result<Array> {
+        let (rows, hidden) = check_inputs(x, experts, weights)?;
+        if experts.is_empty() || rows == 0 {
+            return Ok(crate::mlx::zeros(&[rows as i32, hidden as i32], x.dtype())?);
+        }
+        let layouts: Vec<[ProjectionLayout; 3]> = experts.iter().map(|e| *e.projections).collect();
+        let geometry = self.geometry(&layouts);
+        match select::select(self.family, &self.environment, rows, &geometry)? {
+            Path::Stock => stock::forward(x, experts, weights),
+            Path::Fused(backend) => {
+                let geometry = geometry.map_err(|reason| KernelError::Unsupported { reason })?;
+                fused::forward(&self.kernels, backend, &geometry, x, experts, weights)
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for FusedExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FusedExperts")
+            .field("family", &self.family)
+            .field("environment", &self.environment)
+            .field("cached_kernels", &self.kernels.borrow().len())
+            .finish()
+    }
+}
+
+/// Checks shapes and dtypes; returns `(M, H)`.
+fn check_inputs(x: &Array, experts: &[ExpertSlot<'_>], weights: &Array) -> Result<(usize, usize)> {
+    let bad = |m: String| Err(KernelError::Input(m));
+    let xs = x.shape();
+    if xs.len() != 2 || !x.dtype().is_float() {
+        return bad(format!(
+            "x must be a 2-D float array, got {xs:?} {:?}",
+            x.dtype()
+        ));
+    }
+    let (rows, hidden) = (xs[0] as usize, xs[1] as usize);
+    let ws = weights.shape();
+    if ws != [xs[0], experts.len() as i32] || !weights.dtype().is_float() {
+        return bad(format!(
+            "weights must be a float [{rows}, {}] array, got {ws:?} {:?}",
+            experts.len(),
+            weights.dtype()
+        ));
+    }
+    for (e, slot) in experts.iter().enumerate() {
+        let bs = slot.bytes.shape();
+        if bs.len() != 1 || slot.bytes.dtype() != Dtype::Uint8 {
+            return bad(format!(
+                "expert {e}: slot bytes must be a 1-D uint8 array, got {bs:?} {:?}",
+                slot.bytes.dtype()
+            ));
+        }
+        let len = bs[0] as usize;
+        let [g, u, d] = slot.projections.map(|p| p.format);
+        if g.cols != hidden || u.cols != hidden || u.rows != g.rows {
+            return bad(format!(
+                "expert {e}: gate [{}, {}] / up [{}, {}] do not match hidden {hidden}",
+                g.rows, g.cols, u.rows, u.cols
+            ));
+        }
+        if d.rows != hidden || d.cols != g.rows || g.rows == 0 {
+            return bad(format!(
+                "expert {e}: down [{}, {}] does not match [{hidden}, {}]",
+                d.rows, d.cols, g.rows
+            ));
+        }
+        for p in slot.projections {
+            let f = &p.format;
+            let ends = f
+                .weight_bytes()
+                .and_then(|w| p.weight_offset.checked_add(w))
+                .zip(f.scale_bytes().and_then(|s| p.scale_offset.checked_add(s)));
+            match ends {
+                Some((we, se)) if we <= len && se <= len => {}
+                _ => {
+                    return bad(format!(
+                        "expert {e}: a projection at weight offset {} / scale offset {} runs \
+                         past the {len} slot bytes",
+                        p.weight_offset, p.scale_offset
+                    ));
+                }
+            }
+        }
+    }
+    Ok((rows, hidden))
+}
