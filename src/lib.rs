@@ -7,6 +7,7 @@ pub mod convert;
 pub mod executor;
 pub mod experts;
 pub mod mlx;
+pub mod model;
 pub mod moe;
 pub mod quant;
 pub mod resident;
