@@ -182,15 +182,22 @@ impl MlaAttention {
 
         let q_latent = w.linear(x, &self.names.q_a, d.q_lora, d.hidden).at(site)?;
         let qr = rms_norm(&q_latent, Some(&self.q_a_norm), LATENT_NORM_EPS).at(site, "q_a norm")?;
-        let q = w.linear(&qr, &self.names.q_b, d.heads * (d.nope + d.rope), d.q_lora).at(site)?;
-        let kv = w.linear(x, &self.names.kv_a, d.kv_lora + d.rope, d.hidden).at(site)?;
+        let q = w
+            .linear(&qr, &self.names.q_b, d.heads * (d.nope + d.rope), d.q_lora)
+            .at(site)?;
+        let kv = w
+            .linear(x, &self.names.kv_a, d.kv_lora + d.rope, d.hidden)
+            .at(site)?;
 
         let mut prepare = || -> Result<(Array, Array, Array, Array), MlxError> {
             let q = q.reshape(&[1, len, heads, qk])?.transpose(&[0, 2, 1, 3])?;
             let q_nope = q.slice_axis(-1, 0, d.nope as i32)?;
-            let q_pe = self.rope.apply(&q.slice_axis(-1, d.nope as i32, qk)?, offset)?;
+            let q_pe = self
+                .rope
+                .apply(&q.slice_axis(-1, d.nope as i32, qk)?, offset)?;
             let latent = kv.slice_axis(-1, 0, d.kv_lora as i32)?;
-            let latent = rms_norm(&latent, Some(&self.kv_a_norm), LATENT_NORM_EPS)?.expand_dims(1)?;
+            let latent =
+                rms_norm(&latent, Some(&self.kv_a_norm), LATENT_NORM_EPS)?.expand_dims(1)?;
             let k_pe = kv
                 .slice_axis(-1, d.kv_lora as i32, (d.kv_lora + d.rope) as i32)?
                 .reshape(&[1, 1, len, d.rope as i32])?;
@@ -251,17 +258,26 @@ impl MlaAttention {
             let scores_mask = AttentionMask::Array(&pe_scores);
             let out = if len == 1 {
                 let q_latent = q_nope.matmul(&self.key_up)?;
-                let o = scaled_dot_product_attention(&q_latent, &latent, &latent, self.scale, scores_mask)?;
+                let o = scaled_dot_product_attention(
+                    &q_latent,
+                    &latent,
+                    &latent,
+                    self.scale,
+                    scores_mask,
+                )?;
                 o.matmul(&self.value_up.t()?)?
             } else {
                 let keys = latent.matmul(&self.key_up.t()?)?;
                 let values = latent.matmul(&self.value_up.t()?)?;
                 scaled_dot_product_attention(&q_nope, &keys, &values, self.scale, scores_mask)?
             };
-            out.transpose(&[0, 2, 1, 3])?.reshape(&[1, len, (d.heads * d.v) as i32])
+            out.transpose(&[0, 2, 1, 3])?
+                .reshape(&[1, len, (d.heads * d.v) as i32])
         };
         let out = attend().at(site, "attention")?;
-        let out = w.linear(&out, &self.names.o, d.hidden, d.heads * d.v).at(site)?;
+        let out = w
+            .linear(&out, &self.names.o, d.hidden, d.heads * d.v)
+            .at(site)?;
         Ok((out, own))
     }
 }

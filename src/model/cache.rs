@@ -145,7 +145,11 @@ impl ModelCache {
     /// Empty caches: per layer a latent cache of `latent_width`, a rotated key
     /// cache of `rope_width` and, where `index_widths[l]` is `Some`, an
     /// indexer key cache of that width.
-    pub(crate) fn new(latent_width: usize, rope_width: usize, index_widths: &[Option<usize>]) -> Self {
+    pub(crate) fn new(
+        latent_width: usize,
+        rope_width: usize,
+        index_widths: &[Option<usize>],
+    ) -> Self {
         let layers = index_widths
             .iter()
             .map(|w| LayerCache {

@@ -104,7 +104,8 @@ impl Indexer {
                 "qk_rope_head_dim exceeds index_head_dim".into(),
             ));
         }
-        let scale = (config.index_n_heads as f64).powf(-0.5) * (config.index_head_dim as f64).powf(-0.5);
+        let scale =
+            (config.index_n_heads as f64).powf(-0.5) * (config.index_head_dim as f64).powf(-0.5);
         Ok(Self {
             site,
             k_norm_weight: vector(&norm_w)?,

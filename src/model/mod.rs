@@ -275,7 +275,11 @@ impl Glm52Model {
             return Err(ModelError::EmptyInput);
         }
         let vocab = self.config.vocab_size;
-        if let Some((index, &id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+        if let Some((index, &id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= vocab)
+        {
             return Err(ModelError::TokenOutOfRange { index, id, vocab });
         }
         let start = cache.len();
@@ -412,16 +416,26 @@ fn check_config(c: &Glm52Config) -> Result<(), ModelError> {
         ("max_position_embeddings", c.max_position_embeddings),
     ];
     if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
-        return Err(ModelError::UnsupportedConfig(format!("{name} must be positive")));
+        return Err(ModelError::UnsupportedConfig(format!(
+            "{name} must be positive"
+        )));
     }
     if c.qk_rope_head_dim % 2 != 0 {
-        return Err(ModelError::UnsupportedConfig("qk_rope_head_dim must be even".into()));
+        return Err(ModelError::UnsupportedConfig(
+            "qk_rope_head_dim must be even".into(),
+        ));
     }
-    let too_big = [c.hidden_size, c.vocab_size, c.num_attention_heads * (c.qk_head_dim() + c.v_head_dim)]
-        .iter()
-        .any(|&v| v > i32::MAX as usize);
+    let too_big = [
+        c.hidden_size,
+        c.vocab_size,
+        c.num_attention_heads * (c.qk_head_dim() + c.v_head_dim),
+    ]
+    .iter()
+    .any(|&v| v > i32::MAX as usize);
     if too_big {
-        return Err(ModelError::UnsupportedConfig("dimensions exceed i32".into()));
+        return Err(ModelError::UnsupportedConfig(
+            "dimensions exceed i32".into(),
+        ));
     }
     Ok(())
 }

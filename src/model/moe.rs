@@ -51,7 +51,11 @@ impl MoeBlock {
         let rc = router_config(config);
         let p = format!("model.layers.{layer}.mlp");
         let weight = w
-            .dequantized(&format!("{p}.gate.weight"), rc.n_experts, config.hidden_size)
+            .dequantized(
+                &format!("{p}.gate.weight"),
+                rc.n_experts,
+                config.hidden_size,
+            )
             .at(site)?;
         let bias_name = format!("{p}.gate.e_score_correction_bias");
         let bias = w
@@ -62,17 +66,14 @@ impl MoeBlock {
             .at(site, "reading the router bias")?;
         let router = Router::new(rc, &weight, bias)
             .map_err(|source| ModelError::Routing { layer, source })?;
-        let shared = config
-            .n_shared_experts
-            .filter(|&n| n > 0)
-            .map(|n| {
-                SwiGlu::new(
-                    site,
-                    &format!("{p}.shared_experts"),
-                    config.hidden_size,
-                    config.moe_intermediate_size * n,
-                )
-            });
+        let shared = config.n_shared_experts.filter(|&n| n > 0).map(|n| {
+            SwiGlu::new(
+                site,
+                &format!("{p}.shared_experts"),
+                config.hidden_size,
+                config.moe_intermediate_size * n,
+            )
+        });
         Ok(Self {
             layer,
             router,
