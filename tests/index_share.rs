@@ -135,9 +135,9 @@ fn shared_layers_reuse_the_last_full_layers_top_k() {
         drop_indexers(hf, &shared_layers);
     });
     let container = ColibriContainer::open(&f.model).unwrap();
-    for l in 0..kinds.len() {
+    for (l, kind) in kinds.iter().enumerate() {
         let name = format!("model.layers.{l}.self_attn.indexer.wq_b.weight");
-        assert_eq!(container.weight(&name).is_ok(), kinds[l] == Full, "{name}");
+        assert_eq!(container.weight(&name).is_ok(), *kind == Full, "{name}");
     }
     let ids = prompt(20, spec.vocab_size, 7);
     let rows = check_against_reference(&f, kinds.clone(), &ids, 13);

@@ -43,6 +43,21 @@ pub enum Sparsity {
     Dense,
 }
 
+/// The position context of one forward step, shared by every layer.
+#[derive(Clone, Copy)]
+pub struct Step<'a> {
+    /// Position of the step's first token (the cache length before it).
+    pub offset: usize,
+    /// The `[L, S]` boolean causal mask of a multi-token step (`None` for one
+    /// token).
+    pub causal: Option<&'a Array>,
+    /// The selection of the most recent layer with its own indexer (used by
+    /// [`Sparsity::Shared`] layers).
+    pub shared: Option<&'a TopK>,
+    /// Compute the indexer's cut gap.
+    pub track_gap: bool,
+}
+
 /// The attention of one decoder layer.
 pub struct MlaAttention {
     site: Site,
@@ -159,24 +174,25 @@ impl MlaAttention {
     }
 
     /// Runs the attention of a step of `L` tokens at positions
-    /// `offset..offset + L` and appends them to `cache`.
+    /// `step.offset..step.offset + L` and appends them to `cache`.
     ///
-    /// `x` is the normalized input `[1, L, hidden]`; `causal` the `[L, S]`
-    /// boolean mask of a multi-token step (`None` for one token); `shared`
-    /// the selection of the most recent layer with its own indexer (used by
-    /// [`Sparsity::Shared`] layers). Returns the output `[1, L, hidden]` and
-    /// this layer's own indexer selection (for the layers that share it).
+    /// `x` is the normalized input `[1, L, hidden]`. Returns the output
+    /// `[1, L, hidden]` and this layer's own indexer selection (for the
+    /// layers that share it).
     pub fn forward(
         &self,
         w: &dyn Glm52WeightSource,
         x: &Array,
         cache: &mut LayerCache,
-        offset: usize,
-        causal: Option<&Array>,
-        shared: Option<&TopK>,
-        track_gap: bool,
+        step: Step<'_>,
     ) -> Result<(Array, Option<Selection>), ModelError> {
         let (site, d) = (self.site, self.dims);
+        let Step {
+            offset,
+            causal,
+            shared,
+            ..
+        } = step;
         let len = x.dim(1).at(site, "attention input")?;
         let (heads, qk) = (d.heads as i32, (d.nope + d.rope) as i32);
 
@@ -213,7 +229,7 @@ impl MlaAttention {
                 let keys = cache.index_keys.as_mut().ok_or_else(|| {
                     ModelError::CacheMismatch(format!("{site} has no indexer key cache"))
                 })?;
-                Some(indexer.select(w, x, &qr, keys, offset, causal, track_gap)?)
+                Some(indexer.select(w, x, &qr, keys, step)?)
             }
             Sparsity::Shared | Sparsity::Dense => None,
         };

@@ -52,14 +52,14 @@ pub enum ModelError {
     UnsupportedConfig(String),
     /// Opening the container failed.
     #[error("opening the container: {0}")]
-    Container(#[from] ContainerError),
+    Container(Box<ContainerError>),
     /// A resident weight could not be read or applied.
     #[error("{site}: {source}")]
     Weights {
         /// Where.
         site: Site,
         /// The weights error.
-        source: ResidentError,
+        source: Box<ResidentError>,
     },
     /// A weight is present but unusable (shape, non-finite values).
     #[error("{site}: tensor {name}: {reason}")]
@@ -79,7 +79,7 @@ pub enum ModelError {
         /// The step that failed.
         what: &'static str,
         /// The MLX error.
-        source: MlxError,
+        source: Box<MlxError>,
     },
     /// Routing failed (non-finite scores, bad configuration).
     #[error("layer {layer}: routing: {source}")]
@@ -87,7 +87,7 @@ pub enum ModelError {
         /// MoE layer.
         layer: usize,
         /// The router error.
-        source: MoeError,
+        source: Box<MoeError>,
     },
     /// The streamed expert executor failed.
     #[error("layer {layer}: routed experts: {source}")]
@@ -95,14 +95,14 @@ pub enum ModelError {
         /// MoE layer.
         layer: usize,
         /// The executor error.
-        source: ExecutorError,
+        source: Box<ExecutorError>,
     },
     /// The expert pool could not be set up.
     #[error("setting up the expert pool: {0}")]
-    ExpertPool(#[from] ExpertError),
+    ExpertPool(Box<ExpertError>),
     /// The expert executor could not be set up.
     #[error("setting up the expert executor: {0}")]
-    ExpertExecutor(#[from] ExecutorError),
+    ExpertExecutor(Box<ExecutorError>),
     /// `forward` was called without ids.
     #[error("no token ids to run")]
     EmptyInput,
@@ -138,7 +138,11 @@ pub(crate) trait MlxAt<T> {
 
 impl<T> MlxAt<T> for Result<T, MlxError> {
     fn at(self, site: Site, what: &'static str) -> Result<T, ModelError> {
-        self.map_err(|source| ModelError::Mlx { site, what, source })
+        self.map_err(|source| ModelError::Mlx {
+            site,
+            what,
+            source: Box::new(source),
+        })
     }
 }
 
@@ -149,6 +153,27 @@ pub(crate) trait WeightsAt<T> {
 
 impl<T> WeightsAt<T> for Result<T, ResidentError> {
     fn at(self, site: Site) -> Result<T, ModelError> {
-        self.map_err(|source| ModelError::Weights { site, source })
+        self.map_err(|source| ModelError::Weights {
+            site,
+            source: Box::new(source),
+        })
+    }
+}
+
+impl From<ContainerError> for ModelError {
+    fn from(e: ContainerError) -> Self {
+        Self::Container(Box::new(e))
+    }
+}
+
+impl From<ExpertError> for ModelError {
+    fn from(e: ExpertError) -> Self {
+        Self::ExpertPool(Box::new(e))
+    }
+}
+
+impl From<ExecutorError> for ModelError {
+    fn from(e: ExecutorError) -> Self {
+        Self::ExpertExecutor(Box::new(e))
     }
 }

@@ -14,6 +14,7 @@ use crate::container::Glm52Config;
 use crate::mlx::{self, Array, Dtype, MlxError, fast};
 use crate::resident::Glm52WeightSource;
 
+use super::attention::Step;
 use super::cache::SequenceBuffer;
 use super::error::{MlxAt, WeightsAt};
 use super::rope::{Rope, rope_for};
@@ -130,19 +131,22 @@ impl Indexer {
 
     /// Appends the step's keys to `keys` and selects the positions of each
     /// query. `x` is the layer's normalized input `[1, L, hidden]`, `qr` the
-    /// normalized query latent `[1, L, q_lora_rank]`, `offset` the position of
-    /// the first query, `causal` the `[L, S]` mask of a multi-token step.
+    /// normalized query latent `[1, L, q_lora_rank]`.
     pub fn select(
         &self,
         w: &dyn Glm52WeightSource,
         x: &Array,
         qr: &Array,
         keys: &mut SequenceBuffer,
-        offset: usize,
-        causal: Option<&Array>,
-        track_gap: bool,
+        step: Step<'_>,
     ) -> Result<Selection, ModelError> {
         let site = self.site;
+        let Step {
+            offset,
+            causal,
+            track_gap,
+            ..
+        } = step;
         let len = x.dim(1).at(site, "indexer input")?;
         let (heads, dim) = (self.heads as i32, self.head_dim as i32);
         let q = w
@@ -152,7 +156,7 @@ impl Indexer {
         let head_weights = w
             .linear(x, &self.weights_proj, self.heads, self.hidden)
             .at(site)?;
-        let mut step = || -> Result<Selection, MlxError> {
+        let mut select = || -> Result<Selection, MlxError> {
             let q = q.reshape(&[1, len, heads, dim])?.transpose(&[0, 2, 1, 3])?;
             let k = fast::layer_norm(
                 &k,
@@ -197,7 +201,7 @@ impl Indexer {
                 min_gap,
             })
         };
-        step().at(site, "indexer")
+        select().at(site, "indexer")
     }
 }
 

@@ -7,10 +7,10 @@ use crate::mlx::fast::rms_norm;
 use crate::mlx::{Array, Dtype};
 use crate::resident::Glm52WeightSource;
 
-use super::attention::{MlaAttention, Sparsity};
+use super::attention::{MlaAttention, Sparsity, Step};
 use super::cache::LayerCache;
 use super::error::{MlxAt, WeightsAt};
-use super::indexer::{Selection, TopK};
+use super::indexer::Selection;
 use super::mlp::SwiGlu;
 use super::moe::MoeBlock;
 use super::{ModelError, Site};
@@ -94,24 +94,18 @@ impl DecoderLayer {
         &self.attention
     }
 
-    /// Runs the layer on `x` (`[1, L, hidden]`) at positions `offset..`.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs the layer on `x` (`[1, L, hidden]`) at positions `step.offset..`.
     pub fn forward(
         &self,
         w: &dyn Glm52WeightSource,
         executor: Option<&mut StreamedExecutor>,
         x: &Array,
         cache: &mut LayerCache,
-        offset: usize,
-        causal: Option<&Array>,
-        shared: Option<&TopK>,
-        track_gap: bool,
+        step: Step<'_>,
     ) -> Result<LayerOutcome, ModelError> {
         let site = Site::Layer(self.index);
         let normed = rms_norm(x, Some(&self.input_norm), self.eps).at(site, "input norm")?;
-        let (attn, selection) = self
-            .attention
-            .forward(w, &normed, cache, offset, causal, shared, track_gap)?;
+        let (attn, selection) = self.attention.forward(w, &normed, cache, step)?;
         let h = x.add(&attn).at(site, "attention residual")?;
         let normed = rms_norm(&h, Some(&self.post_attention_norm), self.eps)
             .at(site, "post-attention norm")?;

@@ -43,7 +43,7 @@ use crate::mlx::fast::rms_norm;
 use crate::mlx::{self, Array, Dtype, MlxError};
 use crate::resident::{Glm52WeightSource, ResidentOptions, ResidentWeights};
 
-use attention::Sparsity;
+use attention::{Sparsity, Step};
 use error::{MlxAt, WeightsAt};
 use indexer::{Indexer, TopK, indexer_weight_names};
 use layer::DecoderLayer;
@@ -329,16 +329,14 @@ impl Glm52Model {
         let mut router_gap: Option<f32> = None;
         let mut index_gaps: Vec<Array> = Vec::new();
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers_mut()) {
-            let out = layer.forward(
-                &self.weights,
-                self.executor.as_mut(),
-                &h,
-                layer_cache,
+            let step = Step {
                 offset,
-                causal.as_ref(),
-                shared.as_ref(),
-                self.track_indexer_gaps,
-            )?;
+                causal: causal.as_ref(),
+                shared: shared.as_ref(),
+                track_gap: self.track_indexer_gaps,
+            };
+            let out =
+                layer.forward(&self.weights, self.executor.as_mut(), &h, layer_cache, step)?;
             h = out.hidden;
             if let Some(selection) = out.selection {
                 shared = selection.top_k;

@@ -64,8 +64,10 @@ impl MoeBlock {
             .astype(Dtype::Float32)
             .and_then(|b| b.to_vec::<f32>())
             .at(site, "reading the router bias")?;
-        let router = Router::new(rc, &weight, bias)
-            .map_err(|source| ModelError::Routing { layer, source })?;
+        let router = Router::new(rc, &weight, bias).map_err(|source| ModelError::Routing {
+            layer,
+            source: Box::new(source),
+        })?;
         let shared = config.n_shared_experts.filter(|&n| n > 0).map(|n| {
             SwiGlu::new(
                 site,
@@ -93,7 +95,10 @@ impl MoeBlock {
         let (layer, site) = (self.layer, Site::Layer(self.layer));
         let shape = x.shape();
         let rows = x.reshape(&[-1, self.hidden as i32]).at(site, "MoE input")?;
-        let routing = |source| ModelError::Routing { layer, source };
+        let routing = |source| ModelError::Routing {
+            layer,
+            source: Box::new(source),
+        };
         let scores = self.router.scores(&rows).map_err(routing)?;
         let config = self.router.config();
         let routes = select(config, &scores, self.router.bias()).map_err(routing)?;
@@ -110,7 +115,10 @@ impl MoeBlock {
                 config.n_experts as u32,
                 shared.as_ref(),
             )
-            .map_err(|source| ModelError::Experts { layer, source })?;
+            .map_err(|source| ModelError::Experts {
+                layer,
+                source: Box::new(source),
+            })?;
         let out = out.reshape(&shape).at(site, "MoE output")?;
         Ok((out, gap))
     }

@@ -161,7 +161,7 @@ impl ReferenceModel {
         let scale = (hi as f64).powf(-0.5) * (di as f64).powf(-0.5);
         (0..x.len())
             .map(|t| {
-                if t + 1 <= k {
+                if t < k {
                     return (0..=t).collect();
                 }
                 let q = matvec(&wq, qr[t].len(), &qr[t]);
