@@ -219,17 +219,41 @@ fn bad_input_is_a_typed_error() {
 }
 
 /// Rolling the cache back and replaying gives the same logits; a second
-/// prefill chunk on a non-empty cache equals one-token steps.
+/// prefill chunk on a non-empty cache equals one-token steps; a prefill split
+/// into passes equals one pass; the MTP weights can be loaded alongside; a
+/// cache of another model is refused.
 #[test]
 fn cache_rollback_and_chunked_prefill_are_consistent() {
     let spec = TinyModelSpec::default();
     let f = build(&spec, 606, &ConvertOptions::default(), |_| {});
-    let mut model = Glm52Model::open(&f.model, &test_options()).unwrap();
-    let ids = prompt(14, spec.vocab_size, 6);
+    let options = ModelOptions {
+        include_mtp: true,
+        ..test_options()
+    };
+    let mut model = Glm52Model::open(&f.model, &options).unwrap();
+    let vocab = spec.vocab_size;
+    let ids = prompt(14, vocab, 6);
+
+    let mut cache = model.new_cache();
+    let whole = model.forward(&ids, &mut cache, true).unwrap();
+    model.set_prefill_chunk(5);
+    let mut cache = model.new_cache();
+    let split = model.forward(&ids, &mut cache, true).unwrap();
+    assert_eq!(cache.len(), 14);
+    for i in 0..ids.len() {
+        let rel = row_rel_error(
+            &split[i * vocab..(i + 1) * vocab],
+            &whole[i * vocab..(i + 1) * vocab],
+        );
+        assert!(rel <= MAX_REL, "position {i}: {rel:e}");
+    }
+    let last = model.forward(&ids, &mut model.new_cache(), false).unwrap();
+    assert_eq!(last.len(), vocab);
+    assert!(row_rel_error(&last, &split[13 * vocab..]) <= MAX_REL);
+
     let mut cache = model.new_cache();
     model.forward(&ids[..10], &mut cache, false).unwrap();
     let chunk = model.forward(&ids[10..], &mut cache, true).unwrap();
-    let vocab = spec.vocab_size;
     cache.truncate(10);
     assert_eq!(cache.len(), 10);
     for (j, &t) in ids[10..].iter().enumerate() {
@@ -238,4 +262,16 @@ fn cache_rollback_and_chunked_prefill_are_consistent() {
         assert!(rel <= MAX_REL, "position {}: {rel:e}", 10 + j);
     }
     assert_eq!(cache.len(), 14);
+
+    let other_spec = TinyModelSpec {
+        num_hidden_layers: 2,
+        ..TinyModelSpec::default()
+    };
+    let other = build(&other_spec, 607, &ConvertOptions::default(), |_| {});
+    let other = Glm52Model::open(&other.model, &test_options()).unwrap();
+    let mut foreign = other.new_cache();
+    assert!(matches!(
+        model.forward(&[1], &mut foreign, false),
+        Err(ModelError::CacheMismatch(_))
+    ));
 }

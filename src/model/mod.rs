@@ -55,6 +55,10 @@ pub const MODEL_TYPE: &str = "glm_moe_dsa";
 /// routed experts (`num_experts_per_tok` slots each).
 pub const DEFAULT_POOL_LAYERS: usize = 4;
 
+/// Tokens per pass of a long [`Glm52Model::forward`] call (see
+/// [`Glm52Model::set_prefill_chunk`]).
+pub const DEFAULT_PREFILL_CHUNK: usize = 1024;
+
 const EMBED: &str = "model.embed_tokens.weight";
 const LM_HEAD: &str = "lm_head.weight";
 const FINAL_NORM: &str = "model.norm.weight";
@@ -117,6 +121,19 @@ pub struct CutGaps {
     pub indexer: Option<f32>,
 }
 
+impl CutGaps {
+    fn merge(self, other: Self) -> Self {
+        let min = |a: Option<f32>, b: Option<f32>| match (a, b) {
+            (Some(x), Some(y)) => Some(x.min(y)),
+            (x, y) => x.or(y),
+        };
+        Self {
+            router: min(self.router, other.router),
+            indexer: min(self.indexer, other.indexer),
+        }
+    }
+}
+
 /// A GLM-5.x model: resident weights, the streamed expert executor and the
 /// decoder layers.
 pub struct Glm52Model {
@@ -129,6 +146,7 @@ pub struct Glm52Model {
     head: &'static str,
     eos: Vec<u32>,
     track_indexer_gaps: bool,
+    prefill_chunk: usize,
     gaps: CutGaps,
 }
 
@@ -211,6 +229,7 @@ impl Glm52Model {
             head,
             eos,
             track_indexer_gaps: false,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
             gaps: CutGaps::default(),
         })
     }
@@ -258,13 +277,26 @@ impl Glm52Model {
         self.track_indexer_gaps = on;
     }
 
+    /// Sets the most tokens one pass of [`forward`](Self::forward) runs
+    /// (at least 1; default [`DEFAULT_PREFILL_CHUNK`]). A longer call runs in
+    /// consecutive passes over the cache, which bounds the `[L, S]` score
+    /// matrices of attention and indexer; the result is the same up to
+    /// rounding.
+    pub fn set_prefill_chunk(&mut self, tokens: usize) {
+        self.prefill_chunk = tokens.max(1);
+    }
+
     /// Runs `ids` at positions `cache.len()..` and appends them to the cache.
     /// Returns float32 logits: all rows (`[ids.len() × vocab]`, row-major)
     /// when `all_rows`, else only the last row (`[vocab]`).
     ///
     /// Ids are checked against the vocabulary and the positions against
     /// `max_position_embeddings` before any work. On error the cache is
-    /// rolled back to its length before the call.
+    /// rolled back to its length before the call. Calls longer than the
+    /// prefill chunk run in several passes; [`last_forward_min_gaps`]
+    /// covers all of them.
+    ///
+    /// [`last_forward_min_gaps`]: Self::last_forward_min_gaps
     pub fn forward(
         &mut self,
         ids: &[u32],
@@ -295,15 +327,31 @@ impl Glm52Model {
                 self.layers.len()
             )));
         }
-        self.gaps = CutGaps::default();
-        let result = self.run(ids, cache, all_rows);
-        match &result {
-            Ok(_) => cache.set_len(end),
-            Err(_) => cache.truncate(start),
+        let mut gaps = CutGaps::default();
+        let mut logits = Vec::new();
+        let chunks = ids.chunks(self.prefill_chunk);
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.enumerate() {
+            match self.run(chunk, cache, all_rows) {
+                Ok(rows) => {
+                    cache.set_len(cache.len() + chunk.len());
+                    gaps = gaps.merge(self.gaps);
+                    if all_rows || i == last {
+                        logits.extend(rows);
+                    }
+                }
+                Err(e) => {
+                    cache.truncate(start);
+                    self.gaps = CutGaps::default();
+                    return Err(e);
+                }
+            }
         }
-        result
+        self.gaps = gaps;
+        Ok(logits)
     }
 
+    /// One pass over `ids` (sets `self.gaps`; the caller sets the cache length).
     fn run(
         &mut self,
         ids: &[u32],
