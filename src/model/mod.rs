@@ -332,13 +332,16 @@ impl Glm52Model {
         let chunks = ids.chunks(self.prefill_chunk);
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.enumerate() {
-            match self.run(chunk, cache, all_rows) {
+            let rows = match (all_rows, i == last) {
+                (true, _) => HeadRows::All,
+                (false, true) => HeadRows::Last,
+                (false, false) => HeadRows::None,
+            };
+            match self.run(chunk, cache, rows) {
                 Ok(rows) => {
                     cache.set_len(cache.len() + chunk.len());
                     gaps = gaps.merge(self.gaps);
-                    if all_rows || i == last {
-                        logits.extend(rows);
-                    }
+                    logits.extend(rows);
                 }
                 Err(e) => {
                     cache.truncate(start);
@@ -356,7 +359,7 @@ impl Glm52Model {
         &mut self,
         ids: &[u32],
         cache: &mut ModelCache,
-        all_rows: bool,
+        rows: HeadRows,
     ) -> Result<Vec<f32>, ModelError> {
         let (vocab, hidden) = (self.config.vocab_size, self.config.hidden_size);
         let len = ids.len() as i32;
@@ -395,13 +398,21 @@ impl Glm52Model {
             }
         }
         let site = Site::Head;
-        let mut h = rms_norm(&h, Some(&self.final_norm), self.config.rms_norm_eps as f32)
-            .at(site, "final norm")?;
-        if !all_rows && len > 1 {
-            h = h.slice_axis(1, len - 1, len).at(site, "last row")?;
+        let logits = match rows {
+            HeadRows::None => None,
+            HeadRows::Last | HeadRows::All => {
+                let mut h = rms_norm(&h, Some(&self.final_norm), self.config.rms_norm_eps as f32)
+                    .at(site, "final norm")?;
+                if rows == HeadRows::Last && len > 1 {
+                    h = h.slice_axis(1, len - 1, len).at(site, "last row")?;
+                }
+                Some(self.weights.linear(&h, self.head, vocab, hidden).at(site)?)
+            }
+        };
+        let mut outputs: Vec<&Array> = logits.iter().collect();
+        if logits.is_none() {
+            outputs.push(&h);
         }
-        let logits = self.weights.linear(&h, self.head, vocab, hidden).at(site)?;
-        let mut outputs = vec![&logits];
         outputs.extend(cache.arrays());
         outputs.extend(index_gaps.iter());
         mlx::eval(&outputs).at(site, "evaluating the step")?;
@@ -414,7 +425,10 @@ impl Glm52Model {
             router: router_gap,
             indexer: indexer_gap,
         };
-        logits.to_vec::<f32>().at(site, "reading the logits")
+        match logits {
+            Some(l) => l.to_vec::<f32>().at(site, "reading the logits"),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// Routed-expert pool counters since the model was opened.
@@ -437,6 +451,17 @@ impl Glm52Model {
     pub fn last_forward_min_gaps(&self) -> CutGaps {
         self.gaps
     }
+}
+
+/// Which logits rows a pass computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HeadRows {
+    /// None (a prefill pass that is not the last).
+    None,
+    /// The last row.
+    Last,
+    /// Every row.
+    All,
 }
 
 /// `[L, S]` boolean: query `offset + i` sees keys `0..=offset + i`.
