@@ -224,3 +224,36 @@ impl ModelCache {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(start: usize, n: usize, width: usize) -> Array {
+        let v: Vec<f32> = (start * width..(start + n) * width)
+            .map(|x| x as f32)
+            .collect();
+        Array::from_slice(&v, &[1, 1, n as i32, width as i32]).unwrap()
+    }
+
+    #[test]
+    fn grows_past_chunks_keeps_rows_and_rolls_back() {
+        let width = 3;
+        let mut b = SequenceBuffer::new(width);
+        b.append(&rows(0, 200, width)).unwrap();
+        let all = b.append(&rows(200, 100, width)).unwrap();
+        assert_eq!(all.shape(), vec![1, 1, 300, 3]);
+        assert_eq!(b.capacity(), 2 * CACHE_CHUNK);
+        let want: Vec<f32> = (0..300 * width).map(|x| x as f32).collect();
+        assert_eq!(all.to_vec::<f32>().unwrap(), want);
+
+        b.truncate(250);
+        let replaced = b.append(&rows(1000, 2, width)).unwrap();
+        assert_eq!(replaced.shape(), vec![1, 1, 252, 3]);
+        let got = replaced.to_vec::<f32>().unwrap();
+        assert_eq!(got[..250 * width], want[..250 * width]);
+        let tail: Vec<f32> = (1000 * width..1002 * width).map(|x| x as f32).collect();
+        assert_eq!(got[250 * width..], tail[..]);
+        assert!(b.append(&rows(0, 1, width + 1)).is_err());
+    }
+}

@@ -99,3 +99,44 @@ pub fn attention_scale(config: &Glm52Config) -> f32 {
     }
     scale as f32
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tiny::{SourceDtype, TinyModelSpec};
+    use std::path::Path;
+
+    fn config(rope_parameters: serde_json::Value) -> Glm52Config {
+        let mut json = TinyModelSpec::default().config_json(SourceDtype::F32);
+        json["rope_parameters"] = rope_parameters;
+        Glm52Config::from_json_str(Path::new("config.json"), &json.to_string()).unwrap()
+    }
+
+    #[test]
+    fn plain_rope_and_scale() {
+        let c = config(serde_json::json!({"rope_theta": 8e6, "rope_type": "default"}));
+        let r = rope_for(&c, true).unwrap();
+        assert_eq!((r.theta, r.position_scale, r.dims), (8e6, 1.0, 8));
+        assert_eq!(attention_scale(&c), (24f64).powf(-0.5) as f32);
+    }
+
+    #[test]
+    fn linear_scaling_with_mscale_all_dim() {
+        let c = config(serde_json::json!({
+            "rope_theta": 1e4, "rope_type": "linear", "factor": 4.0, "mscale_all_dim": 1.0
+        }));
+        assert_eq!(rope_for(&c, false).unwrap().position_scale, 0.25);
+        let m = 0.1 * 4f64.ln() + 1.0;
+        let want = (24f64).powf(-0.5) * m * m;
+        assert!((f64::from(attention_scale(&c)) - want).abs() < 1e-7);
+    }
+
+    #[test]
+    fn scaled_frequency_variants_are_refused() {
+        let c = config(serde_json::json!({"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}));
+        assert!(matches!(
+            rope_for(&c, true),
+            Err(ModelError::UnsupportedConfig(_))
+        ));
+    }
+}
