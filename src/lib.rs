@@ -6,6 +6,7 @@ pub mod container;
 pub mod convert;
 pub mod executor;
 pub mod experts;
+pub mod generate;
 pub mod mlx;
 pub mod model;
 pub mod moe;
