@@ -275,3 +275,43 @@ fn cache_rollback_and_chunked_prefill_are_consistent() {
         Err(ModelError::CacheMismatch(_))
     ));
 }
+
+/// The generation layer's greedy session over the model produces mlx-lm's
+/// greedy tokens (through `LanguageModel`).
+#[test]
+fn greedy_session_reproduces_mlx_lm_tokens() {
+    use glm_stream::generate::{GenerateOptions, Session};
+    let spec = TinyModelSpec::default();
+    let f = build(
+        &spec,
+        101,
+        &ConvertOptions {
+            group_size: 0,
+            ..ConvertOptions::default()
+        },
+        |_| {},
+    );
+    let (prompt_len, steps) = (13, 6);
+    let ids = prompt(prompt_len, spec.vocab_size, 10);
+    let reference = oracle(&f.model, &ids, steps);
+    let mut model = Glm52Model::open(&f.model, &test_options()).unwrap();
+    let options = GenerateOptions {
+        max_tokens: steps,
+        ..GenerateOptions::default()
+    };
+    let session = Session::new(&mut model, None, &ids, options).unwrap();
+    let got: Vec<u32> = session
+        .map(|t| t.map(|t| t.id))
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert!(!got.is_empty());
+    for (step, (&g, &want)) in got.iter().zip(&reference.tokens).enumerate() {
+        let row = &reference.rows[prompt_len - 1 + step];
+        let (_, gap) = argmax_gap(row);
+        let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        if gap <= 1e-3 * scale {
+            break; // an ambiguous step: the sequences may part here
+        }
+        assert_eq!(g, want, "step {step}");
+    }
+}

@@ -560,3 +560,37 @@ fn expert_executor(
     let executor = StreamedExecutor::new(manager, config.hidden_size, layouts)?;
     Ok(Some((executor, slots)))
 }
+
+impl crate::generate::LanguageModel for Glm52Model {
+    type Cache = ModelCache;
+    type Error = ModelError;
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn max_positions(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+
+    fn eos_token_ids(&self) -> Vec<u32> {
+        Glm52Model::eos_token_ids(self)
+    }
+
+    fn new_cache(&self) -> ModelCache {
+        Glm52Model::new_cache(self)
+    }
+
+    fn cache_len(cache: &ModelCache) -> usize {
+        cache.len()
+    }
+
+    fn forward(
+        &mut self,
+        ids: &[u32],
+        cache: &mut ModelCache,
+        all_rows: bool,
+    ) -> Result<Vec<f32>, ModelError> {
+        Glm52Model::forward(self, ids, cache, all_rows)
+    }
+}
