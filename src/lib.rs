@@ -9,6 +9,7 @@ pub mod experts;
 pub mod generate;
 pub mod kernels;
 pub mod mlx;
+pub mod model;
 pub mod moe;
 pub mod quant;
 pub mod resident;

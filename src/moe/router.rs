@@ -220,8 +220,19 @@ impl Router {
         &self.config
     }
 
+    /// The selection bias (`e_score_correction_bias`).
+    pub fn bias(&self) -> &[f32] {
+        &self.bias
+    }
+
     /// Routes `x` (`[..., hidden]`, any float dtype; computed in f32).
     pub fn route(&self, x: &Array) -> Result<Routes, MoeError> {
+        select(&self.config, &self.scores(x)?, &self.bias)
+    }
+
+    /// The sigmoid scores `sigmoid(x · Wᵀ)` of `x` (`[..., hidden]`) as
+    /// `rows × n_experts` host values, row-major: the input of [`select`].
+    pub fn scores(&self, x: &Array) -> Result<Vec<f32>, MoeError> {
         let shape = x.shape();
         if shape.last().map(|&d| d as usize) != Some(self.hidden) {
             return Err(MoeError::Shape {
@@ -236,8 +247,7 @@ impl Router {
             .astype(Dtype::Float32)?
             .matmul(&self.weight_t)?
             .sigmoid()?;
-        let scores = scores.to_vec::<f32>()?;
-        select(&self.config, &scores, &self.bias)
+        Ok(scores.to_vec::<f32>()?)
     }
 }
 

@@ -3,6 +3,8 @@
 #![allow(dead_code)]
 
 mod reference_decode;
+pub mod reference_model;
+pub mod tiny_model;
 #[allow(unused_imports)]
 pub use reference_decode::reference;
 
