@@ -205,7 +205,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         stdout.flush()?;
     }
     writeln!(stdout)?;
-    let stats = session.stats().clone();
+    let stats = *session.stats();
     let logits = session.take_logits();
     drop(session);
     if let (Some(path), Some(dump)) = (&args.dump_logits, logits) {
