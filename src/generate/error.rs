@@ -45,6 +45,15 @@ pub enum GenerateError {
         #[source]
         source: BoxError,
     },
+    /// The speculative drafter failed.
+    #[error("drafter failed ({context})")]
+    Drafter {
+        /// What was being run.
+        context: String,
+        /// The drafter's error.
+        #[source]
+        source: BoxError,
+    },
     /// The model returned a logits buffer of the wrong length.
     #[error("model returned {got} logits during {context}, expected {expected}")]
     LogitsShape {

@@ -39,6 +39,7 @@ pub mod model_dir;
 pub mod npy;
 pub mod sampling;
 pub mod session;
+pub mod speculative;
 pub mod template;
 pub mod tokenizer;
 
@@ -49,6 +50,10 @@ pub use npy::{LogitsDump, write_npy_f32};
 pub use sampling::{Sampler, SamplingParams};
 pub use session::{
     FinishReason, GenerateOptions, GeneratedToken, Generation, GenerationStats, Session,
+};
+pub use speculative::{
+    DraftPolicy, DraftPolicyConfig, DraftToken, Drafter, SetRateDrafter, accept_drafts,
+    expected_tokens, verify_draft,
 };
 pub use template::{ChatMessage, ChatTemplate};
 pub use tokenizer::Tokenizer;
@@ -77,4 +82,16 @@ pub trait LanguageModel {
         cache: &mut Self::Cache,
         all_rows: bool,
     ) -> Result<Vec<f32>, Self::Error>;
+    /// Rolls `cache` back to its first `len` positions (speculative decoding
+    /// drops rejected drafts with it). Returns `false` when the model cannot
+    /// roll back (the default), which rules out speculative decoding.
+    fn truncate_cache(cache: &mut Self::Cache, len: usize) -> bool {
+        let _ = (cache, len);
+        false
+    }
+    /// Bytes read from storage so far (streamed experts), for the draft
+    /// policy; `None` (the default) when the model does not stream.
+    fn io_bytes_read(&self) -> Option<u64> {
+        None
+    }
 }

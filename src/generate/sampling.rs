@@ -187,6 +187,30 @@ impl Sampler {
         &self.params
     }
 
+    /// A uniform draw in `[0, 1)` from the sampler's stream.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random()
+    }
+
+    /// Draws an id from `dist` (`(id, probability)` pairs summing to 1, in
+    /// the order given) with one uniform draw from the sampler's stream.
+    pub fn sample_from(&mut self, dist: &[(u32, f64)]) -> Result<u32> {
+        let u = self.uniform();
+        let mut cum = 0.0;
+        for &(id, p) in dist {
+            cum += p;
+            if u < cum {
+                return Ok(id);
+            }
+        }
+        dist.iter()
+            .rev()
+            .find(|(_, p)| *p > 0.0)
+            .or(dist.last())
+            .map(|&(id, _)| id)
+            .ok_or_else(|| GenerateError::InvalidLogits("no candidate token".into()))
+    }
+
     /// Picks the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
         check_logits(logits)?;

@@ -1,5 +1,7 @@
-//! The decode loop over any [`LanguageModel`], as an iterator or with a callback.
+//! The decode loop over any [`LanguageModel`], as an iterator or with a callback,
+//! optionally speculative ([`Session::with_drafter`], see [`super::speculative`]).
 
+use std::collections::VecDeque;
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
@@ -8,6 +10,7 @@ use super::detok::IncrementalDecoder;
 use super::error::{GenerateError, Result};
 use super::npy::LogitsDump;
 use super::sampling::{Sampler, SamplingParams};
+use super::speculative::{DraftPolicy, DraftPolicyConfig, Drafter, accept_drafts};
 use super::tokenizer::Tokenizer;
 use crate::container::GenerationConfig;
 
@@ -87,8 +90,23 @@ pub struct GenerationStats {
     pub generated_tokens: usize,
     /// Prompt forward plus choosing the first token.
     pub prefill: Duration,
-    /// All later steps (one forward of the previous token plus sampling each).
+    /// All later steps (one forward of the previous token plus sampling each,
+    /// or a speculative round).
     pub decode: Duration,
+    /// Main-model forward passes after the prefill (plain steps plus verify
+    /// passes).
+    pub decode_forwards: usize,
+    /// Verify passes (speculative rounds).
+    pub rounds: usize,
+    /// Tokens proposed by the drafter and verified.
+    pub drafted: usize,
+    /// Drafted tokens accepted.
+    pub accepted: usize,
+    /// Bytes the model read from storage during rounds (drafting and
+    /// verifying), when it reports them ([`LanguageModel::io_bytes_read`]).
+    pub round_bytes: u64,
+    /// Bytes the model read from storage during plain decode steps.
+    pub plain_bytes: u64,
 }
 
 impl GenerationStats {
@@ -100,6 +118,18 @@ impl GenerationStats {
     /// Decode steps (generated tokens after the first) per second.
     pub fn decode_tok_s(&self) -> f64 {
         rate(self.generated_tokens.saturating_sub(1), self.decode)
+    }
+
+    /// `accepted / drafted`; `None` before any draft was verified.
+    pub fn acceptance_rate(&self) -> Option<f64> {
+        (self.drafted > 0).then(|| self.accepted as f64 / self.drafted as f64)
+    }
+
+    /// Generated tokens after the first per main forward pass after the
+    /// prefill (1 without drafting); `None` before any decode pass.
+    pub fn tokens_per_forward(&self) -> Option<f64> {
+        (self.decode_forwards > 0)
+            .then(|| self.generated_tokens.saturating_sub(1) as f64 / self.decode_forwards as f64)
     }
 }
 
@@ -155,6 +185,14 @@ pub struct Session<'a, M: LanguageModel> {
     stats: GenerationStats,
     logits: Option<Vec<f32>>,
     finish: Option<FinishReason>,
+    spec: Option<Speculation<'a, M>>,
+    queue: VecDeque<u32>,
+}
+
+/// The drafter and policy of a speculative session.
+struct Speculation<'a, M: LanguageModel> {
+    drafter: Box<dyn Drafter<M> + 'a>,
+    policy: DraftPolicy,
 }
 
 impl<M: LanguageModel> std::fmt::Debug for Session<'_, M> {
@@ -230,9 +268,44 @@ impl<'a, M: LanguageModel> Session<'a, M> {
             },
             logits: opts.dump_logits.then(Vec::new),
             finish: None,
+            spec: None,
+            queue: VecDeque::new(),
             opts,
             model,
         })
+    }
+
+    /// Turns on speculative decoding with `drafter`, drafts per round chosen
+    /// by a [`DraftPolicy`] with `policy`. The output is the same as without
+    /// (greedy: the same tokens; sampling: the same distribution).
+    ///
+    /// Fails when the session has started or when the model cannot roll its
+    /// cache back ([`LanguageModel::truncate_cache`]).
+    pub fn with_drafter(
+        mut self,
+        drafter: impl Drafter<M> + 'a,
+        policy: DraftPolicyConfig,
+    ) -> Result<Self> {
+        if self.state != State::Start {
+            return Err(GenerateError::InvalidParams(
+                "a drafter can only be set before generation starts".into(),
+            ));
+        }
+        if !M::truncate_cache(&mut self.cache, 0) {
+            return Err(GenerateError::InvalidParams(
+                "speculative decoding needs a model that can roll back its cache".into(),
+            ));
+        }
+        self.spec = Some(Speculation {
+            drafter: Box::new(drafter),
+            policy: DraftPolicy::new(policy),
+        });
+        Ok(self)
+    }
+
+    /// The draft policy of a speculative session.
+    pub fn draft_policy(&self) -> Option<&DraftPolicy> {
+        self.spec.as_ref().map(|s| &s.policy)
     }
 
     /// The stop ids in effect (the model's then the options').
@@ -344,10 +417,137 @@ impl<'a, M: LanguageModel> Session<'a, M> {
         Ok(out)
     }
 
-    fn step(&mut self) -> Result<GeneratedToken> {
+    /// The next token: queued from the last speculative round, or from a new
+    /// round or plain step.
+    fn advance(&mut self) -> Result<u32> {
+        if let Some(id) = self.queue.pop_front() {
+            return Ok(id);
+        }
+        let decoding = self.state == State::Running;
+        let left = self
+            .opts
+            .max_tokens
+            .saturating_sub(self.generated.len() + 1);
+        let k = match &self.spec {
+            Some(s) if decoding => s.policy.next_k().min(left),
+            _ => 0,
+        };
+        if k > 0 {
+            if let Some(mut spec) = self.spec.take() {
+                let round = self.round(&mut spec, k);
+                self.spec = Some(spec);
+                if let Some(id) = round? {
+                    return Ok(id);
+                }
+            }
+        }
+        let bytes_before = self.model.io_bytes_read();
         let started = Instant::now();
         let logits = self.next_logits()?;
         let id = self.sampler.sample(&logits)?;
+        let bytes = bytes_delta(bytes_before, self.model.io_bytes_read());
+        if decoding {
+            self.stats.decode_forwards += 1;
+            self.stats.plain_bytes += bytes;
+        }
+        if let Some(spec) = self.spec.as_mut() {
+            let fed = if decoding {
+                self.generated
+                    .last()
+                    .map(std::slice::from_ref)
+                    .unwrap_or(&[])
+            } else {
+                &self.prompt[..]
+            };
+            spec.drafter
+                .observe(self.model, fed, fed.len(), id)
+                .map_err(|source| GenerateError::Drafter {
+                    context: "observing a forward pass".into(),
+                    source,
+                })?;
+            if decoding {
+                spec.policy
+                    .record_plain(bytes, started.elapsed().as_secs_f64());
+            }
+        }
+        Ok(id)
+    }
+
+    /// One speculative round of at most `k` drafts: returns the first token
+    /// it emits and queues the others, or `None` when the drafter proposed
+    /// nothing (nothing ran).
+    fn round(&mut self, spec: &mut Speculation<'a, M>, k: usize) -> Result<Option<u32>> {
+        let Some(&last) = self.generated.last() else {
+            return Ok(None);
+        };
+        let bytes_before = self.model.io_bytes_read();
+        let started = Instant::now();
+        let mut context = Vec::with_capacity(self.prompt.len() + self.generated.len());
+        context.extend_from_slice(&self.prompt);
+        context.extend_from_slice(&self.generated);
+        let params = *self.sampler.params();
+        let mut drafts = spec
+            .drafter
+            .draft(self.model, &context, k, &params)
+            .map_err(|source| GenerateError::Drafter {
+                context: format!("drafting at step {}", self.generated.len()),
+                source,
+            })?;
+        drafts.truncate(k);
+        if drafts.is_empty() {
+            return Ok(None);
+        }
+        if let Some(d) = drafts
+            .iter()
+            .find(|d| usize::try_from(d.id).map_or(true, |i| i >= self.vocab))
+        {
+            return Err(GenerateError::Drafter {
+                context: format!("drafting at step {}", self.generated.len()),
+                source: format!("draft id {} outside the vocabulary of {}", d.id, self.vocab)
+                    .into(),
+            });
+        }
+        let mut fed = Vec::with_capacity(drafts.len() + 1);
+        fed.push(last);
+        fed.extend(drafts.iter().map(|d| d.id));
+        let start = M::cache_len(&self.cache);
+        let context = format!("verify pass at step {}", self.generated.len());
+        let logits = self.forward(&fed, true, &context)?;
+        let (accepted, next) = accept_drafts(&mut self.sampler, &logits, self.vocab, &drafts)?;
+        if !M::truncate_cache(&mut self.cache, start + accepted + 1) {
+            return Err(GenerateError::InvalidParams(
+                "the model cannot roll back its cache".into(),
+            ));
+        }
+        spec.drafter
+            .observe(self.model, &fed, accepted + 1, next)
+            .map_err(|source| GenerateError::Drafter {
+                context: context.clone(),
+                source,
+            })?;
+        if let Some(rows) = self.logits.as_mut() {
+            rows.extend_from_slice(&logits[..(accepted + 1) * self.vocab]);
+        }
+        let bytes = bytes_delta(bytes_before, self.model.io_bytes_read());
+        spec.policy.record_round(
+            drafts.len(),
+            accepted,
+            bytes,
+            started.elapsed().as_secs_f64(),
+        );
+        self.stats.decode_forwards += 1;
+        self.stats.rounds += 1;
+        self.stats.drafted += drafts.len();
+        self.stats.accepted += accepted;
+        self.stats.round_bytes += bytes;
+        self.queue.extend(&fed[1..=accepted]);
+        self.queue.push_back(next);
+        Ok(self.queue.pop_front())
+    }
+
+    fn step(&mut self) -> Result<GeneratedToken> {
+        let started = Instant::now();
+        let id = self.advance()?;
         let index = self.generated.len();
         self.generated.push(id);
         let finish = if self.stop_ids.contains(&id) {
@@ -383,6 +583,14 @@ impl<'a, M: LanguageModel> Session<'a, M> {
             text,
             finish,
         })
+    }
+}
+
+/// Bytes read between two readings of [`LanguageModel::io_bytes_read`].
+fn bytes_delta(before: Option<u64>, after: Option<u64>) -> u64 {
+    match (before, after) {
+        (Some(b), Some(a)) => a.saturating_sub(b),
+        _ => 0,
     }
 }
 

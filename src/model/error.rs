@@ -129,6 +129,9 @@ pub enum ModelError {
     /// The cache was made for a model of another shape.
     #[error("the cache does not belong to this model: {0}")]
     CacheMismatch(String),
+    /// The model was opened without an MTP head, or the container has none.
+    #[error("no MTP head: {0}")]
+    NoMtp(String),
 }
 
 /// Attaches a [`Site`] to MLX errors.

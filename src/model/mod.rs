@@ -6,7 +6,8 @@
 //! * [`mlp`]: the dense SwiGLU and the shared expert;
 //! * [`moe`]: the router and the routed experts through the
 //!   [`StreamedExecutor`];
-//! * [`layer`]: the decoder layer; [`cache`]: the per-sequence caches.
+//! * [`layer`]: the decoder layer; [`cache`]: the per-sequence caches;
+//! * [`mtp`]: the MTP (nextn) head and its speculative drafter.
 //!
 //! All activations are float32.
 //!
@@ -28,6 +29,7 @@ pub mod indexer;
 pub mod layer;
 pub mod mlp;
 pub mod moe;
+pub mod mtp;
 pub mod rope;
 
 use std::path::Path;
@@ -75,8 +77,8 @@ pub struct ModelOptions {
     pub io_threads: usize,
     /// Read experts with `O_DIRECT` where the file system allows it.
     pub direct_io: bool,
-    /// Load the MTP layer's weights (resident and routed) too. The forward
-    /// pass does not run it yet.
+    /// Load the MTP layer (resident weights, routed experts through the
+    /// executor) for speculative decoding (see [`mtp`]).
     pub include_mtp: bool,
 }
 
@@ -148,6 +150,9 @@ pub struct Glm52Model {
     track_indexer_gaps: bool,
     prefill_chunk: usize,
     gaps: CutGaps,
+    mtp: Option<mtp::MtpHead>,
+    keep_hidden: bool,
+    last_hidden: Vec<f32>,
 }
 
 impl std::fmt::Debug for Glm52Model {
@@ -219,6 +224,11 @@ impl Glm52Model {
             Some((e, s)) => (Some(e), s),
             None => (None, 0),
         };
+        let mtp = if opts.include_mtp {
+            mtp::MtpHead::load(&weights, &config)?
+        } else {
+            None
+        };
         Ok(Self {
             weights,
             config,
@@ -231,6 +241,9 @@ impl Glm52Model {
             track_indexer_gaps: false,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             gaps: CutGaps::default(),
+            mtp,
+            keep_hidden: false,
+            last_hidden: Vec::new(),
         })
     }
 
@@ -329,6 +342,7 @@ impl Glm52Model {
         }
         let mut gaps = CutGaps::default();
         let mut logits = Vec::new();
+        self.last_hidden.clear();
         let chunks = ids.chunks(self.prefill_chunk);
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.enumerate() {
@@ -338,14 +352,16 @@ impl Glm52Model {
                 (false, false) => HeadRows::None,
             };
             match self.run(chunk, cache, rows) {
-                Ok(rows) => {
+                Ok((rows, hidden)) => {
                     cache.set_len(cache.len() + chunk.len());
                     gaps = gaps.merge(self.gaps);
                     logits.extend(rows);
+                    self.last_hidden.extend(hidden);
                 }
                 Err(e) => {
                     cache.truncate(start);
                     self.gaps = CutGaps::default();
+                    self.last_hidden.clear();
                     return Err(e);
                 }
             }
@@ -354,13 +370,16 @@ impl Glm52Model {
         Ok(logits)
     }
 
-    /// One pass over `ids` (sets `self.gaps`; the caller sets the cache length).
+    /// One pass over `ids` (sets `self.gaps`; the caller sets the cache
+    /// length). Returns the logits rows and, while hidden rows are kept
+    /// ([`set_keep_hidden`](Self::set_keep_hidden)), every row of the final
+    /// normalized hidden state (else an empty vector).
     fn run(
         &mut self,
         ids: &[u32],
         cache: &mut ModelCache,
         rows: HeadRows,
-    ) -> Result<Vec<f32>, ModelError> {
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
         let (vocab, hidden) = (self.config.vocab_size, self.config.hidden_size);
         let len = ids.len() as i32;
         let offset = cache.len();
@@ -398,19 +417,27 @@ impl Glm52Model {
             }
         }
         let site = Site::Head;
-        let logits = match rows {
-            HeadRows::None => None,
-            HeadRows::Last | HeadRows::All => {
-                let mut h = rms_norm(&h, Some(&self.final_norm), self.config.rms_norm_eps as f32)
-                    .at(site, "final norm")?;
+        let normed = if rows != HeadRows::None || self.keep_hidden {
+            Some(
+                rms_norm(&h, Some(&self.final_norm), self.config.rms_norm_eps as f32)
+                    .at(site, "final norm")?,
+            )
+        } else {
+            None
+        };
+        let logits = match (rows, &normed) {
+            (HeadRows::None, _) | (_, None) => None,
+            (HeadRows::Last | HeadRows::All, Some(normed)) => {
+                let mut h = normed.clone();
                 if rows == HeadRows::Last && len > 1 {
                     h = h.slice_axis(1, len - 1, len).at(site, "last row")?;
                 }
                 Some(self.weights.linear(&h, self.head, vocab, hidden).at(site)?)
             }
         };
-        let mut outputs: Vec<&Array> = logits.iter().collect();
-        if logits.is_none() {
+        let kept = normed.as_ref().filter(|_| self.keep_hidden);
+        let mut outputs: Vec<&Array> = logits.iter().chain(kept).collect();
+        if outputs.is_empty() {
             outputs.push(&h);
         }
         outputs.extend(cache.arrays());
@@ -425,10 +452,34 @@ impl Glm52Model {
             router: router_gap,
             indexer: indexer_gap,
         };
-        match logits {
-            Some(l) => l.to_vec::<f32>().at(site, "reading the logits"),
-            None => Ok(Vec::new()),
+        let hidden_rows = match kept {
+            Some(h) => h.to_vec::<f32>().at(site, "reading the hidden rows")?,
+            None => Vec::new(),
+        };
+        let logits = match logits {
+            Some(l) => l.to_vec::<f32>().at(site, "reading the logits")?,
+            None => Vec::new(),
+        };
+        Ok((logits, hidden_rows))
+    }
+
+    /// Keeps (or stops keeping) the final normalized hidden rows of every
+    /// [`forward`](Self::forward) call, for [`last_hidden`](Self::last_hidden).
+    /// Off by default; the MTP drafter turns it on.
+    pub fn set_keep_hidden(&mut self, on: bool) {
+        self.keep_hidden = on;
+        if !on {
+            self.last_hidden = Vec::new();
         }
+    }
+
+    /// The hidden rows of the last [`forward`](Self::forward) while
+    /// [`set_keep_hidden`](Self::set_keep_hidden) is on: one row of
+    /// `hidden_size` values per id of the call (every row, whatever
+    /// `all_rows`), after `model.norm`: the state the MTP head's `hnorm`
+    /// takes (see [`mtp`]). Empty otherwise or after a failed call.
+    pub fn last_hidden(&self) -> &[f32] {
+        &self.last_hidden
     }
 
     /// Routed-expert pool counters since the model was opened.
@@ -592,5 +643,16 @@ impl crate::generate::LanguageModel for Glm52Model {
         all_rows: bool,
     ) -> Result<Vec<f32>, ModelError> {
         Glm52Model::forward(self, ids, cache, all_rows)
+    }
+
+    fn truncate_cache(cache: &mut ModelCache, len: usize) -> bool {
+        cache.truncate(len);
+        true
+    }
+
+    fn io_bytes_read(&self) -> Option<u64> {
+        self.executor
+            .as_ref()
+            .map(|_| self.expert_stats().bytes_read)
     }
 }
