@@ -3,8 +3,13 @@
 //! ```text
 //! cargo run --release --example decode -- [--model DIR] [--prompt TEXT | --prompt-ids 1,2,3]
 //!     [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw]
-//!     [--ram-budget GB] [--dump-logits FILE.npy]
+//!     [--ram-budget GB] [--dump-logits FILE.npy] [--mtp[=K]] [--mtp-fixed]
 //! ```
+//!
+//! `--mtp[=K]` decodes speculatively with the model's MTP head, at most `K`
+//! drafts per round (1 by default), turned down or off by the expert-aware
+//! draft policy when it does not pay; `--mtp-fixed` always drafts `K`. The
+//! output is the same as without (greedy: the same tokens).
 //!
 //! Without `--model` it builds (once, cached) a tiny random GLM model with the
 //! crate's generator and converter and decodes on it. The generated text goes
@@ -17,7 +22,10 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use glm_stream::container::ColibriContainer;
-use glm_stream::generate::{self, GenerateOptions, SamplingParams, Session, Tokenizer};
+use glm_stream::generate::{
+    self, DraftPolicyConfig, GenerateOptions, SamplingParams, Session, Tokenizer,
+};
+use glm_stream::model::mtp::MtpDrafter;
 use glm_stream::model::{Glm52Model, ModelOptions};
 
 #[derive(Debug)]
@@ -33,10 +41,13 @@ struct Args {
     raw: bool,
     ram_budget_gb: Option<f64>,
     dump_logits: Option<PathBuf>,
+    mtp: Option<usize>,
+    mtp_fixed: bool,
 }
 
 const USAGE: &str = "usage: decode [--model DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--max-tokens N] \
-[--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--ram-budget GB] [--dump-logits FILE.npy]";
+[--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--ram-budget GB] [--dump-logits FILE.npy] \
+[--mtp[=K]] [--mtp-fixed]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -51,6 +62,8 @@ fn parse_args() -> Result<Args, String> {
         raw: false,
         ram_budget_gb: None,
         dump_logits: None,
+        mtp: None,
+        mtp_fixed: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -106,9 +119,22 @@ fn parse_args() -> Result<Args, String> {
             }
             "--dump-logits" => a.dump_logits = Some(PathBuf::from(value("--dump-logits")?)),
             "--raw" => a.raw = true,
+            "--mtp" => a.mtp = Some(1),
+            "--mtp-fixed" => a.mtp_fixed = true,
+            f if f.starts_with("--mtp=") => {
+                let v = &f["--mtp=".len()..];
+                let k: usize = v.parse().map_err(|_| num_err("--mtp", v))?;
+                if k == 0 {
+                    return Err("--mtp=K needs K >= 1".into());
+                }
+                a.mtp = Some(k);
+            }
             "-h" | "--help" => return Err(USAGE.to_string()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
+    }
+    if a.mtp_fixed && a.mtp.is_none() {
+        return Err("--mtp-fixed needs --mtp[=K]".into());
     }
     if a.prompt.is_some() && a.prompt_ids.is_some() {
         return Err("give --prompt or --prompt-ids, not both".into());
@@ -193,11 +219,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     let model_opts = ModelOptions {
         ram_budget_bytes: args.ram_budget_gb.map(|gb| (gb * 1e9) as u64),
+        include_mtp: args.mtp.is_some(),
         ..ModelOptions::default()
     };
     let mut model = Glm52Model::open(&dir, &model_opts)?;
+    let drafter = match args.mtp {
+        Some(_) => Some(MtpDrafter::new(&mut model, args.seed)?),
+        None => None,
+    };
     let before = model.expert_stats();
     let mut session = Session::new(&mut model, Some(&tokenizer), &prompt, opts)?;
+    if let (Some(drafter), Some(k)) = (drafter, args.mtp) {
+        let policy = if args.mtp_fixed {
+            DraftPolicyConfig::fixed(k)
+        } else {
+            DraftPolicyConfig {
+                max_draft: k,
+                ..DraftPolicyConfig::default()
+            }
+        };
+        session = session.with_drafter(drafter, policy)?;
+    }
     let mut stdout = std::io::stdout();
     for token in session.by_ref() {
         let token = token?;
@@ -224,13 +266,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let tokens = stats.generated_tokens.max(1) as f64;
     let disk_gb_per_token = (after.bytes_read - before.bytes_read) as f64 / 1e9 / tokens;
     eprintln!(
-        "summary prompt_tokens={} prefill_tok_s={:.2} decode_tok_s={:.2} hit_rate={:.3} disk_gb_per_token={:.4} peak_rss_gb={:.3}",
+        "summary prompt_tokens={} prefill_tok_s={:.2} decode_tok_s={:.2} hit_rate={:.3} disk_gb_per_token={:.4} peak_rss_gb={:.3} \
+         mtp={} acceptance_rate={:.3} tokens_per_forward={:.3} drafted={} accepted={}",
         stats.prompt_tokens,
         stats.prefill_tok_s(),
         stats.decode_tok_s(),
         hit_rate,
         disk_gb_per_token,
         peak_rss_gb(),
+        args.mtp.unwrap_or(0),
+        stats.acceptance_rate().unwrap_or(f64::NAN),
+        stats.tokens_per_forward().unwrap_or(f64::NAN),
+        stats.drafted,
+        stats.accepted,
     );
     Ok(())
 }
