@@ -21,7 +21,12 @@ const PROMPT: usize = 12;
 const TOKENS: usize = 14;
 
 fn fixture() -> Fixture {
-    build(&TinyModelSpec::default(), 101, &ConvertOptions::default(), |_| {})
+    build(
+        &TinyModelSpec::default(),
+        101,
+        &ConvertOptions::default(),
+        |_| {},
+    )
 }
 
 fn open(f: &Fixture) -> Glm52Model {
@@ -76,9 +81,8 @@ fn mtp_head_loads_and_streams_its_experts() {
     let before = model.expert_stats();
     let mut tokens = ids[1..].to_vec();
     tokens.push(5);
-    let out = model
-        .mtp_forward(&tokens, &model.last_hidden().to_vec(), &mut mtp)
-        .unwrap();
+    let hidden = model.last_hidden().to_vec();
+    let out = model.mtp_forward(&tokens, &hidden, &mut mtp).unwrap();
     assert_eq!(out.logits.len(), f.spec.vocab_size);
     assert_eq!(out.hidden.len(), width);
     assert_eq!(mtp.len(), PROMPT);
@@ -183,7 +187,9 @@ fn rollback_after_rejection_gives_the_logits_of_a_run_that_never_drafted() {
     let out = model.mtp_forward(&pairs, &h_prompt, &mut drafted).unwrap();
     let committed = drafted.len();
     let chain = model.mtp_forward(&[9], &out.hidden, &mut drafted).unwrap();
-    model.mtp_forward(&[10], &chain.hidden, &mut drafted).unwrap();
+    model
+        .mtp_forward(&[10], &chain.hidden, &mut drafted)
+        .unwrap();
     drafted.truncate(committed);
     let got = model.mtp_forward(&[y], &h_x, &mut drafted).unwrap();
     assert_eq!(got.logits, want.logits);
@@ -224,7 +230,8 @@ fn mtp_drafter_keeps_only_committed_entries_between_rounds() {
             },
         )
         .unwrap();
-    assert!(sampled.iter().all(|d| d.q.as_ref().is_some_and(|q| {
-        (q.iter().map(|(_, p)| p).sum::<f64>() - 1.0).abs() < 1e-9
-    })));
+    assert!(sampled.iter().all(|d| {
+        d.q.as_ref()
+            .is_some_and(|q| (q.iter().map(|(_, p)| p).sum::<f64>() - 1.0).abs() < 1e-9)
+    }));
 }
