@@ -132,3 +132,44 @@ fn bad_input_exits_with_a_message() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn mtp_flag_keeps_the_greedy_output_and_reports_acceptance() {
+    let spec = TinyModelSpec::default();
+    let f = build(&spec, 101, &ConvertOptions::default(), |_| {});
+    let ids = prompt(spec.index_topk + 4, spec.vocab_size, 5);
+    let id_list = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let model = f.model.to_string_lossy().into_owned();
+    let base = [
+        "--model",
+        &model,
+        "--prompt-ids",
+        &id_list,
+        "--max-tokens",
+        "12",
+    ];
+    let plain = run(&base);
+    assert!(
+        plain.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plain.stderr)
+    );
+    for extra in [&["--mtp"][..], &["--mtp=3", "--mtp-fixed"][..]] {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let out = run(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert_eq!(out.stdout, plain.stdout, "{extra:?} changed the output");
+        let summary = stderr
+            .lines()
+            .find(|l| l.starts_with("summary "))
+            .expect("summary line");
+        for key in ["acceptance_rate=", "tokens_per_forward=", "drafted="] {
+            assert!(summary.contains(key), "{summary}");
+        }
+    }
+    let bad = run(&["--mtp=0"]);
+    assert!(!bad.status.success());
+    let bad = run(&["--mtp-fixed"]);
+    assert!(!bad.status.success());
+}

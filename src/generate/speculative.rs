@@ -346,8 +346,10 @@ impl DraftPolicy {
 /// `(reference[j] + 1) % vocab`, deterministically (`q = None`).
 ///
 /// With `reference` the model's own greedy continuation of the prompt, each
-/// greedy draft is accepted exactly when it is the reference token, so the
-/// acceptance rate is `rate`, independent of the model.
+/// greedy draft that gets verified is accepted exactly when it is the
+/// reference token, so with probability `rate`, independent of the model
+/// (the session's `accepted / drafted` is lower for `k > 1`: drafts after a
+/// round's first rejection count as drafted).
 #[derive(Debug, Clone)]
 pub struct SetRateDrafter {
     prompt_len: usize,
