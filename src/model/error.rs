@@ -129,6 +129,14 @@ pub enum ModelError {
     /// The cache was made for a model of another shape.
     #[error("the cache does not belong to this model: {0}")]
     CacheMismatch(String),
+    /// Recording the routing trace failed.
+    #[error("layer {layer}: routing trace: {source}")]
+    RoutingTrace {
+        /// MoE layer.
+        layer: usize,
+        /// The trace error.
+        source: Box<crate::experts::TraceError>,
+    },
 }
 
 /// Attaches a [`Site`] to MLX errors.
