@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release --example decode -- [--model DIR] [--prompt TEXT | --prompt-ids 1,2,3]
 //!     [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw]
-//!     [--ram-budget GB] [--dump-logits FILE.npy]
+//!     [--ram-budget GB] [--dump-logits FILE.npy] [--routing-trace FILE.jsonl]
 //! ```
 //!
 //! Without `--model` it builds (once, cached) a tiny random GLM model with the
@@ -12,6 +12,11 @@
 //! Every input is checked before any MLX work: bad ids, an empty prompt, a
 //! prompt that with `--max-tokens` would overflow the context, a container that
 //! is not `glm_moe_dsa`.
+//!
+//! `--routing-trace FILE` records the routed experts of every MoE layer of
+//! the run (prefill and decode) and saves them as JSON lines
+//! ([`glm_stream::experts::RoutingTrace`]) for replay through the residency
+//! policies (`glm_stream::experts::replay`).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -33,10 +38,12 @@ struct Args {
     raw: bool,
     ram_budget_gb: Option<f64>,
     dump_logits: Option<PathBuf>,
+    routing_trace: Option<PathBuf>,
 }
 
 const USAGE: &str = "usage: decode [--model DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--max-tokens N] \
-[--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--ram-budget GB] [--dump-logits FILE.npy]";
+[--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--ram-budget GB] [--dump-logits FILE.npy] \
+[--routing-trace FILE.jsonl]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -51,6 +58,7 @@ fn parse_args() -> Result<Args, String> {
         raw: false,
         ram_budget_gb: None,
         dump_logits: None,
+        routing_trace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -105,6 +113,9 @@ fn parse_args() -> Result<Args, String> {
                 a.ram_budget_gb = Some(gb);
             }
             "--dump-logits" => a.dump_logits = Some(PathBuf::from(value("--dump-logits")?)),
+            "--routing-trace" => {
+                a.routing_trace = Some(PathBuf::from(value("--routing-trace")?));
+            }
             "--raw" => a.raw = true,
             "-h" | "--help" => return Err(USAGE.to_string()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -196,6 +207,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ..ModelOptions::default()
     };
     let mut model = Glm52Model::open(&dir, &model_opts)?;
+    model.set_routing_trace(args.routing_trace.is_some());
     let before = model.expert_stats();
     let mut session = Session::new(&mut model, Some(&tokenizer), &prompt, opts)?;
     let mut stdout = std::io::stdout();
@@ -211,6 +223,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if let (Some(path), Some(dump)) = (&args.dump_logits, logits) {
         dump.write_npy(path)?;
         eprintln!("wrote {} logits rows to {}", dump.rows(), path.display());
+    }
+
+    if let Some(path) = &args.routing_trace {
+        match model.routing_trace() {
+            Some(trace) => {
+                trace.save(path)?;
+                eprintln!(
+                    "wrote the routing of {} MoE passes ({} rows) to {}",
+                    trace.len(),
+                    trace.rows(),
+                    path.display()
+                );
+            }
+            None => eprintln!("the model has no routed experts: no routing trace written"),
+        }
     }
 
     let after = model.expert_stats();
