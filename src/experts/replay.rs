@@ -37,7 +37,7 @@ use super::{ExpertError, Result};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Counters of one replay.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ReplayResult {
     /// Pool slots.
     pub capacity: usize,
@@ -47,14 +47,54 @@ pub struct ReplayResult {
     pub hits: u64,
     /// Requested experts that had to be loaded.
     pub misses: u64,
+    /// `(hits, misses)` of each trace record, in record order.
+    pub per_record: Vec<(u64, u64)>,
 }
 
 impl ReplayResult {
+    fn new(capacity: usize, records: usize) -> Self {
+        Self {
+            capacity,
+            per_record: vec![(0, 0); records],
+            ..Self::default()
+        }
+    }
+
+    fn count(&mut self, record: usize, hit: bool) {
+        let c = &mut self.per_record[record];
+        if hit {
+            self.hits += 1;
+            c.0 += 1;
+        } else {
+            self.misses += 1;
+            c.1 += 1;
+        }
+    }
+
     /// `hits / (hits + misses)`; `None` for an empty trace.
     pub fn hit_rate(&self) -> Option<f64> {
-        let total = self.hits + self.misses;
-        (total > 0).then(|| self.hits as f64 / total as f64)
+        rate(self.hits, self.misses)
     }
+
+    /// `(hits, misses)` summed over the records from `first` on (for
+    /// example the decode steps after a prefill whose records came first).
+    pub fn counts_from(&self, first: usize) -> (u64, u64) {
+        self.per_record
+            .iter()
+            .skip(first)
+            .fold((0, 0), |(h, m), &(a, b)| (h + a, m + b))
+    }
+
+    /// The hit rate over the records from `first` on; `None` when they
+    /// requested nothing.
+    pub fn hit_rate_from(&self, first: usize) -> Option<f64> {
+        let (h, m) = self.counts_from(first);
+        rate(h, m)
+    }
+}
+
+fn rate(h: u64, m: u64) -> Option<f64> {
+    (h + m > 0).then(|| h as f64 / (h + m) as f64)
 }
 
 type Key = (u32, u32);
@@ -75,10 +115,7 @@ pub fn replay_policy(
     config: &PolicyConfig,
 ) -> Result<ReplayResult> {
     check_capacity(capacity)?;
-    let mut out = ReplayResult {
-        capacity,
-        ..ReplayResult::default()
-    };
+    let mut out = ReplayResult::new(capacity, trace.len());
     if trace.is_empty() {
         return Ok(out);
     }
@@ -97,31 +134,31 @@ pub fn replay_policy(
         }
         while let Some(r) = requests.get(next).filter(|r| r.record == index) {
             let lease = p.acquire(r.layer, &r.experts)?;
-            for e in lease.entries.iter().filter(|e| !e.hit) {
-                p.complete(lease.id, e.slot, true)?;
+            for e in &lease.entries {
+                out.count(index, e.hit);
+                if !e.hit {
+                    p.complete(lease.id, e.slot, true)?;
+                }
             }
             p.release(lease.id)?;
             out.requests += 1;
             next += 1;
         }
     }
-    let t = p.telemetry();
-    out.hits = t.hits;
-    out.misses = t.misses;
     Ok(out)
 }
 
 /// Replays `trace` through a plain LRU pool of `capacity` slots.
 pub fn lru(trace: &RoutingTrace, capacity: usize) -> Result<ReplayResult> {
     check_capacity(capacity)?;
-    Ok(lru_requests(&trace.requests(capacity), capacity))
+    Ok(lru_requests(&trace.requests(capacity), capacity, trace.len()))
 }
 
 /// Replays `trace` through a pool of `capacity` slots evicting by Belady's
 /// rule (farthest next use first).
 pub fn belady(trace: &RoutingTrace, capacity: usize) -> Result<ReplayResult> {
     check_capacity(capacity)?;
-    Ok(belady_requests(&trace.requests(capacity), capacity))
+    Ok(belady_requests(&trace.requests(capacity), capacity, trace.len()))
 }
 
 fn keys(r: &Request) -> impl Iterator<Item = Key> + '_ {
@@ -129,22 +166,19 @@ fn keys(r: &Request) -> impl Iterator<Item = Key> + '_ {
 }
 
 /// LRU over prepared requests (each no larger than `capacity`).
-fn lru_requests(requests: &[Request], capacity: usize) -> ReplayResult {
+fn lru_requests(requests: &[Request], capacity: usize, records: usize) -> ReplayResult {
     let mut last: HashMap<Key, u64> = HashMap::new();
     let mut order: BTreeSet<(u64, Key)> = BTreeSet::new();
-    let mut out = ReplayResult {
-        capacity,
-        ..ReplayResult::default()
-    };
+    let mut out = ReplayResult::new(capacity, records);
     for (t, r) in requests.iter().enumerate() {
         let now = t as u64 + 1;
         let want: HashSet<Key> = keys(r).collect();
         for k in keys(r) {
             if let Some(old) = last.get(&k) {
-                out.hits += 1;
+                out.count(r.record, true);
                 order.remove(&(*old, k));
             } else {
-                out.misses += 1;
+                out.count(r.record, false);
                 if last.len() >= capacity {
                     let victim = order.iter().find(|(_, v)| !want.contains(v)).copied();
                     if let Some((u, v)) = victim {
@@ -162,7 +196,7 @@ fn lru_requests(requests: &[Request], capacity: usize) -> ReplayResult {
 }
 
 /// Belady over prepared requests (each no larger than `capacity`).
-fn belady_requests(requests: &[Request], capacity: usize) -> ReplayResult {
+fn belady_requests(requests: &[Request], capacity: usize, records: usize) -> ReplayResult {
     // next[t][i]: the index of the next request after t that uses the i-th
     // expert of request t (usize::MAX: never).
     let mut next: Vec<Vec<usize>> = vec![Vec::new(); requests.len()];
@@ -177,18 +211,15 @@ fn belady_requests(requests: &[Request], capacity: usize) -> ReplayResult {
     }
     let mut resident: HashMap<Key, usize> = HashMap::new();
     let mut by_next: BTreeSet<(usize, Key)> = BTreeSet::new();
-    let mut out = ReplayResult {
-        capacity,
-        ..ReplayResult::default()
-    };
+    let mut out = ReplayResult::new(capacity, records);
     for (t, r) in requests.iter().enumerate() {
         let want: HashSet<Key> = keys(r).collect();
         for (i, k) in keys(r).enumerate() {
             if let Some(n) = resident.get(&k) {
-                out.hits += 1;
+                out.count(r.record, true);
                 by_next.remove(&(*n, k));
             } else {
-                out.misses += 1;
+                out.count(r.record, false);
                 if resident.len() >= capacity {
                     let victim = by_next
                         .iter()
@@ -259,6 +290,9 @@ mod tests {
         assert_eq!((l.hits, l.misses, l.requests), (0, 6, 6));
         assert_eq!((b.hits, b.misses, b.requests), (2, 4, 6));
         assert_eq!(b.hit_rate(), Some(2.0 / 6.0));
+        assert_eq!(b.per_record, vec![(0, 1), (0, 1), (0, 1), (1, 0), (0, 1), (1, 0)]);
+        assert_eq!(b.counts_from(3), (2, 1));
+        assert_eq!(b.hit_rate_from(6), None);
         // Three slots: only the compulsory misses.
         for r in [lru(&t, 3).unwrap(), belady(&t, 3).unwrap()] {
             assert_eq!((r.hits, r.misses), (3, 3));
@@ -322,9 +356,10 @@ mod tests {
                 let b = belady(&t, cap).unwrap();
                 let l = lru(&t, cap).unwrap();
                 let p = replay_policy(&t, cap, &PolicyConfig::new(1, 1, 1)).unwrap();
-                for r in [b, l, p] {
+                for r in [&b, &l, &p] {
                     assert_eq!(r.hits + r.misses, total, "seed {seed} capacity {cap}");
                     assert_eq!(r.requests, t.len() as u64);
+                    assert_eq!(r.counts_from(0), (r.hits, r.misses));
                 }
                 assert!(b.hits >= l.hits, "seed {seed} cap {cap}: belady {b:?} lru {l:?}");
                 assert!(b.hits >= p.hits, "seed {seed} cap {cap}: belady {b:?} policy {p:?}");
