@@ -20,7 +20,7 @@
 //! [`Glm52Model::forward`] with ids directly.
 //!
 //! The directory is `GLM_BENCH_DIR` (default `/tmp/glm-stream-decode-slice`);
-//! a container with the expected shard sizes is reused, nothing is deleted.
+//! a container with the expected config, shard headers and sizes is reused, nothing is deleted.
 //!
 //! Run: a `GLM_BENCH_PROMPT`-token prompt (default 4) is prefilled, then
 //! `GLM_BENCH_TOKENS` tokens (default 8) are decoded greedily, one
@@ -108,7 +108,8 @@ enum Gen {
 
 struct Tensor {
     name: String,
-    len: usize,
+    /// Stored shape: `[bytes]` for a quantized weight, else the logical shape.
+    shape: Vec<usize>,
     fill: Gen,
 }
 
@@ -157,17 +158,13 @@ fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
     let mut experts = Vec::new();
     let quant = |out: &mut Vec<Tensor>, name: String, scheme: QuantScheme, rows, cols| {
         out.push(Tensor {
-            len: scheme.weight_bytes(rows, cols),
+            shape: vec![scheme.weight_bytes(rows, cols)],
             name,
             fill: Gen::Quant { scheme, rows, cols },
         });
     };
-    let f32s = |out: &mut Vec<Tensor>, name: String, len: usize, fill: Gen| {
-        out.push(Tensor {
-            name,
-            len: len * 4,
-            fill,
-        })
+    let f32s = |out: &mut Vec<Tensor>, name: String, shape: Vec<usize>, fill: Gen| {
+        out.push(Tensor { name, shape, fill })
     };
     quant(
         &mut resident,
@@ -177,20 +174,35 @@ fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
         HIDDEN,
     );
     quant(&mut resident, "lm_head.weight".into(), int8, VOCAB, HIDDEN);
-    f32s(&mut resident, "model.norm.weight".into(), HIDDEN, Gen::Ones);
+    f32s(
+        &mut resident,
+        "model.norm.weight".into(),
+        vec![HIDDEN],
+        Gen::Ones,
+    );
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}.");
         let r = &mut resident;
-        f32s(r, format!("{p}input_layernorm.weight"), HIDDEN, Gen::Ones);
+        f32s(
+            r,
+            format!("{p}input_layernorm.weight"),
+            vec![HIDDEN],
+            Gen::Ones,
+        );
         f32s(
             r,
             format!("{p}post_attention_layernorm.weight"),
-            HIDDEN,
+            vec![HIDDEN],
             Gen::Ones,
         );
         let a = format!("{p}self_attn.");
         quant(r, format!("{a}q_a_proj.weight"), int4, Q_LORA, HIDDEN);
-        f32s(r, format!("{a}q_a_layernorm.weight"), Q_LORA, Gen::Ones);
+        f32s(
+            r,
+            format!("{a}q_a_layernorm.weight"),
+            vec![Q_LORA],
+            Gen::Ones,
+        );
         quant(
             r,
             format!("{a}q_b_proj.weight"),
@@ -205,7 +217,12 @@ fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
             KV_LORA + ROPE,
             HIDDEN,
         );
-        f32s(r, format!("{a}kv_a_layernorm.weight"), KV_LORA, Gen::Ones);
+        f32s(
+            r,
+            format!("{a}kv_a_layernorm.weight"),
+            vec![KV_LORA],
+            Gen::Ones,
+        );
         quant(
             r,
             format!("{a}kv_b_proj.weight"),
@@ -215,14 +232,26 @@ fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
         );
         quant(r, format!("{a}o_proj.weight"), int4, HIDDEN, HEADS * V_DIM);
         let i = format!("{a}indexer.");
-        quant(r, format!("{i}wq_b.weight"), int8, IDX_HEADS * IDX_DIM, Q_LORA);
+        quant(
+            r,
+            format!("{i}wq_b.weight"),
+            int8,
+            IDX_HEADS * IDX_DIM,
+            Q_LORA,
+        );
         quant(r, format!("{i}wk.weight"), int8, IDX_DIM, HIDDEN);
-        quant(r, format!("{i}weights_proj.weight"), int8, IDX_HEADS, HIDDEN);
-        f32s(r, format!("{i}k_norm.weight"), IDX_DIM, Gen::Ones);
+        quant(
+            r,
+            format!("{i}weights_proj.weight"),
+            int8,
+            IDX_HEADS,
+            HIDDEN,
+        );
+        f32s(r, format!("{i}k_norm.weight"), vec![IDX_DIM], Gen::Ones);
         f32s(
             r,
             format!("{i}k_norm.bias"),
-            IDX_DIM,
+            vec![IDX_DIM],
             Gen::Uniform { std: 0.02 },
         );
         let m = format!("{p}mlp.");
@@ -236,7 +265,7 @@ fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
         f32s(
             r,
             format!("{m}gate.weight"),
-            EXPERTS * HIDDEN,
+            vec![EXPERTS, HIDDEN],
             Gen::Uniform {
                 std: 1.0 / (HIDDEN as f32).sqrt(),
             },
@@ -244,7 +273,7 @@ fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
         f32s(
             r,
             format!("{m}gate.e_score_correction_bias"),
-            EXPERTS,
+            vec![EXPERTS],
             Gen::Uniform { std: 0.01 },
         );
         let s = format!("{m}shared_experts.");
@@ -283,7 +312,7 @@ fn layout(tensors: &[Tensor]) -> BoxResult<(ShardLayout, HashMap<String, Gen>)> 
     for t in tensors {
         match t.fill {
             Gen::Quant { scheme, rows, cols } => {
-                specs.push(TensorSpec::new(t.name.clone(), Dtype::U8, vec![t.len]));
+                specs.push(TensorSpec::new(t.name.clone(), Dtype::U8, t.shape.clone()));
                 let qs = format!("{}.qs", t.name);
                 specs.push(TensorSpec::new(
                     qs.clone(),
@@ -293,7 +322,7 @@ fn layout(tensors: &[Tensor]) -> BoxResult<(ShardLayout, HashMap<String, Gen>)> 
                 gens.insert(qs, t.fill);
             }
             Gen::Ones | Gen::Uniform { .. } => {
-                specs.push(TensorSpec::new(t.name.clone(), Dtype::F32, vec![t.len / 4]));
+                specs.push(TensorSpec::new(t.name.clone(), Dtype::F32, t.shape.clone()));
             }
         }
         gens.insert(t.name.clone(), t.fill);
@@ -305,7 +334,12 @@ fn layout(tensors: &[Tensor]) -> BoxResult<(ShardLayout, HashMap<String, Gen>)> 
 /// uniform; its scales are about `1 / (σ_q · sqrt(cols))` (σ_q: the standard
 /// deviation of a uniform code, 4.6 for int4 and 73.9 for int8), each
 /// jittered by ±25 %.
-fn write_shard(path: &Path, layout: &ShardLayout, gens: &HashMap<String, Gen>, seed: u64) -> BoxResult<()> {
+fn write_shard(
+    path: &Path,
+    layout: &ShardLayout,
+    gens: &HashMap<String, Gen>,
+    seed: u64,
+) -> BoxResult<()> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut w = ShardWriter::create(path, layout.clone())?;
     let mut buf = Vec::new();
@@ -342,6 +376,16 @@ fn write_shard(path: &Path, layout: &ShardLayout, gens: &HashMap<String, Gen>, s
     Ok(())
 }
 
+/// True when the file at `path` starts with `layout`'s safetensors header.
+fn same_header(path: &Path, layout: &ShardLayout) -> bool {
+    use std::io::Read;
+    let want = layout.header_bytes();
+    let mut got = vec![0u8; want.len()];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut got))
+        .is_ok_and(|()| got == want)
+}
+
 /// Writes the container into `dir` unless a complete one is already there;
 /// returns the experts shard.
 fn ensure_container(dir: &Path) -> BoxResult<PathBuf> {
@@ -358,7 +402,7 @@ fn ensure_container(dir: &Path) -> BoxResult<PathBuf> {
         let path = dir.join(name);
         let size = std::fs::metadata(&path).map(|m| m.len()).ok();
         let same_config = std::fs::read_to_string(&config).is_ok_and(|c| c == want_config);
-        if size == Some(layout.file_size()) && same_config {
+        if size == Some(layout.file_size()) && same_config && same_header(&path, &layout) {
             eprintln!(
                 "reusing {} ({:.2} GB)",
                 path.display(),
@@ -549,7 +593,17 @@ fn main() -> BoxResult<()> {
         }
     );
     let all = (LAYERS - FIRST_DENSE) * EXPERTS;
-    let mut capacities = vec![TOP_K, 2 * TOP_K, 32, slots / 2, slots, 2 * slots, 128, 256, all];
+    let mut capacities = vec![
+        TOP_K,
+        2 * TOP_K,
+        32,
+        slots / 2,
+        slots,
+        2 * slots,
+        128,
+        256,
+        all,
+    ];
     capacities.retain(|&c| c >= TOP_K && c <= all);
     capacities.sort_unstable();
     capacities.dedup();
@@ -558,7 +612,8 @@ fn main() -> BoxResult<()> {
         "slots", "% pool", "policy", "lru", "belady", "policy/belady", "lru/belady"
     );
     for c in capacities {
-        let rate = |r: glm_stream::experts::ReplayResult| r.hit_rate_from(prefill_records).unwrap_or(0.0);
+        let rate =
+            |r: glm_stream::experts::ReplayResult| r.hit_rate_from(prefill_records).unwrap_or(0.0);
         let p = rate(replay_policy(&trace, c, &policy)?);
         let l = rate(lru(&trace, c)?);
         let b = rate(belady(&trace, c)?);

@@ -24,11 +24,11 @@ pub mod trace;
 pub use layout::ProjectionFormat;
 pub use layout::{ExpertExtents, Projection, ScalePath, SlotLayout, TensorExtent};
 pub use reader::{DirectUpload, ExpertSource, FileExpertSource, SlotTarget, SlotUpload};
+pub use replay::ReplayResult;
 pub use residency::{
     Lease, LeaseEntry, PolicyConfig, PolicyEntry, PolicyLease, ResidencyManager, ResidencyPolicy,
     Telemetry,
 };
-pub use replay::ReplayResult;
 pub use slab::{SlabConfig, SlabStore, SlotHandle};
 pub use trace::{LayerRouting, Request, RoutingTrace, TraceError};
 

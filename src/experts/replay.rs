@@ -101,7 +101,9 @@ type Key = (u32, u32);
 
 fn check_capacity(capacity: usize) -> Result<()> {
     if capacity == 0 {
-        return Err(ExpertError::Config("a replay needs at least one slot".into()));
+        return Err(ExpertError::Config(
+            "a replay needs at least one slot".into(),
+        ));
     }
     Ok(())
 }
@@ -151,14 +153,22 @@ pub fn replay_policy(
 /// Replays `trace` through a plain LRU pool of `capacity` slots.
 pub fn lru(trace: &RoutingTrace, capacity: usize) -> Result<ReplayResult> {
     check_capacity(capacity)?;
-    Ok(lru_requests(&trace.requests(capacity), capacity, trace.len()))
+    Ok(lru_requests(
+        &trace.requests(capacity),
+        capacity,
+        trace.len(),
+    ))
 }
 
 /// Replays `trace` through a pool of `capacity` slots evicting by Belady's
 /// rule (farthest next use first).
 pub fn belady(trace: &RoutingTrace, capacity: usize) -> Result<ReplayResult> {
     check_capacity(capacity)?;
-    Ok(belady_requests(&trace.requests(capacity), capacity, trace.len()))
+    Ok(belady_requests(
+        &trace.requests(capacity),
+        capacity,
+        trace.len(),
+    ))
 }
 
 fn keys(r: &Request) -> impl Iterator<Item = Key> + '_ {
@@ -260,7 +270,13 @@ mod tests {
         trace(8, 1, &steps)
     }
 
-    fn random_trace(seed: u64, layers: u32, experts: u32, top_k: usize, tokens: usize) -> RoutingTrace {
+    fn random_trace(
+        seed: u64,
+        layers: u32,
+        experts: u32,
+        top_k: usize,
+        tokens: usize,
+    ) -> RoutingTrace {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut steps = Vec::new();
         for _ in 0..tokens {
@@ -290,7 +306,10 @@ mod tests {
         assert_eq!((l.hits, l.misses, l.requests), (0, 6, 6));
         assert_eq!((b.hits, b.misses, b.requests), (2, 4, 6));
         assert_eq!(b.hit_rate(), Some(2.0 / 6.0));
-        assert_eq!(b.per_record, vec![(0, 1), (0, 1), (0, 1), (1, 0), (0, 1), (1, 0)]);
+        assert_eq!(
+            b.per_record,
+            vec![(0, 1), (0, 1), (0, 1), (1, 0), (0, 1), (1, 0)]
+        );
         assert_eq!(b.counts_from(3), (2, 1));
         assert_eq!(b.hit_rate_from(6), None);
         // Three slots: only the compulsory misses.
@@ -326,7 +345,11 @@ mod tests {
 
     #[test]
     fn layers_are_distinct_keys() {
-        let t = trace(2, 1, &[(0, vec![0]), (1, vec![0]), (0, vec![0]), (1, vec![0])]);
+        let t = trace(
+            2,
+            1,
+            &[(0, vec![0]), (1, vec![0]), (0, vec![0]), (1, vec![0])],
+        );
         let b = belady(&t, 2).unwrap();
         assert_eq!((b.hits, b.misses), (2, 2));
         let b = belady(&t, 1).unwrap();
@@ -361,8 +384,14 @@ mod tests {
                     assert_eq!(r.requests, t.len() as u64);
                     assert_eq!(r.counts_from(0), (r.hits, r.misses));
                 }
-                assert!(b.hits >= l.hits, "seed {seed} cap {cap}: belady {b:?} lru {l:?}");
-                assert!(b.hits >= p.hits, "seed {seed} cap {cap}: belady {b:?} policy {p:?}");
+                assert!(
+                    b.hits >= l.hits,
+                    "seed {seed} cap {cap}: belady {b:?} lru {l:?}"
+                );
+                assert!(
+                    b.hits >= p.hits,
+                    "seed {seed} cap {cap}: belady {b:?} policy {p:?}"
+                );
             }
             // Room for everything: only compulsory misses.
             let distinct = 3 * 32;

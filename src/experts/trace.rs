@@ -249,8 +249,9 @@ impl RoutingTrace {
                             ),
                         ));
                     }
-                    trace =
-                        Some(Self::new(h.experts, h.top_k).map_err(|e| parse(n + 1, e.to_string()))?);
+                    trace = Some(
+                        Self::new(h.experts, h.top_k).map_err(|e| parse(n + 1, e.to_string()))?,
+                    );
                 }
                 Some(t) => {
                     let rec: LayerRouting =
@@ -388,7 +389,10 @@ mod tests {
         ];
         for (i, text) in bad.iter().enumerate() {
             let e = RoutingTrace::read_jsonl(text.as_bytes());
-            assert!(matches!(e, Err(TraceError::Parse { .. })), "case {i}: {e:?}");
+            assert!(
+                matches!(e, Err(TraceError::Parse { .. })),
+                "case {i}: {e:?}"
+            );
         }
     }
 
@@ -396,8 +400,10 @@ mod tests {
     fn requests_are_batch_unions_cut_into_waves() {
         let t = sample();
         let r = t.requests(3);
-        let got: Vec<(usize, u32, Vec<u32>)> =
-            r.into_iter().map(|q| (q.record, q.layer, q.experts)).collect();
+        let got: Vec<(usize, u32, Vec<u32>)> = r
+            .into_iter()
+            .map(|q| (q.record, q.layer, q.experts))
+            .collect();
         assert_eq!(
             got,
             vec![
