@@ -13,7 +13,8 @@
 //! shared experts, attention and the dense MLP int4 g64; the indexer, the
 //! embedding and `lm_head` int8 per row; norms, router weights and router
 //! bias F32. Values are random: quantized bytes uniform, scales chosen so a
-//! weight has standard deviation about `1/sqrt(fan_in)`, norms 1, router
+//! weight has standard deviation about `1/sqrt(fan_in)` (embedding rows: 1,
+//! so the fed token steers the residual stream), norms 1, router
 //! weights uniform with that deviation. Two shards: `out-00000.safetensors`
 //! (resident weights, 0.59 GB) and `out-00001.safetensors` (the routed
 //! experts, 512 × 21,233,664 B = 10.87 GB). No tokenizer: the bench drives
@@ -83,6 +84,7 @@ const VOCAB: usize = 4096;
 const GROUP: usize = 64;
 /// One routed expert: three int4 g64 projections of 2048 × 6144 and their scales.
 const EXPERT_BYTES: u64 = 21_233_664;
+const EMBED: &str = "model.embed_tokens.weight";
 const RESIDENT_SHARD: &str = "out-00000.safetensors";
 const EXPERT_SHARD: &str = "out-00001.safetensors";
 
@@ -170,13 +172,7 @@ fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
     let f32s = |out: &mut Vec<Tensor>, name: String, shape: Vec<usize>, fill: Gen| {
         out.push(Tensor { name, shape, fill })
     };
-    quant(
-        &mut resident,
-        "model.embed_tokens.weight".into(),
-        int8,
-        VOCAB,
-        HIDDEN,
-    );
+    quant(&mut resident, EMBED.into(), int8, VOCAB, HIDDEN);
     quant(&mut resident, "lm_head.weight".into(), int8, VOCAB, HIDDEN);
     f32s(
         &mut resident,
@@ -365,7 +361,15 @@ fn write_shard(
                     QuantScheme::Int8Row => 73.9,
                     _ => 4.6,
                 };
-                let base = 1.0 / (sigma * (cols as f32).sqrt());
+                // Embedding rows have deviation 1, so the token fed drives the
+                // residual stream (and the routing) rather than being drowned
+                // by the attention output.
+                let fan_in = if e.spec.name.starts_with(EMBED) {
+                    1.0
+                } else {
+                    cols as f32
+                };
+                let base = 1.0 / (sigma * fan_in.sqrt());
                 fill_f32(&mut |r| base * r.random_range(0.75..1.25));
             }
             (Gen::Ones, _) => fill_f32(&mut |_| 1.0),
