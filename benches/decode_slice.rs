@@ -12,7 +12,7 @@
 //! vocabulary. Storage as the colibri converter lays it out: routed experts,
 //! shared experts, attention and the dense MLP int4 g64; the indexer, the
 //! embedding and `lm_head` int8 per row; norms, router weights and router
-//! bias F32. Values are random: quantized bytes uniform, scales chosen so a
+//! bias F32. Values are random: quantized codes uniform and zero-mean, scales chosen so a
 //! weight has standard deviation about `1/sqrt(fan_in)` (embedding rows: 1,
 //! so the fed token steers the residual stream), norms 1, router
 //! weights uniform with that deviation. Two shards: `out-00000.safetensors`
@@ -21,7 +21,9 @@
 //! [`Glm52Model::forward`] with ids directly.
 //!
 //! The directory is `GLM_BENCH_DIR` (default `/tmp/glm-stream-decode-slice`);
-//! a container with the expected config, shard headers and sizes is reused, nothing is deleted.
+//! a container with the expected config, shard headers and sizes is reused
+//! (contents are not checked: delete the directory after changing the
+//! generator); nothing is deleted.
 //!
 //! Run: a `GLM_BENCH_PROMPT`-token prompt (default 4) is prefilled, then
 //! `GLM_BENCH_TOKENS` tokens (default 16) are decoded, one `forward` each.
@@ -330,8 +332,8 @@ fn layout(tensors: &[Tensor]) -> BoxResult<(ShardLayout, HashMap<String, Gen>)> 
     Ok((ShardLayout::new(specs)?, gens))
 }
 
-/// Writes one shard with random contents. A quantized weight's bytes are
-/// uniform; its scales are about `1 / (σ_q · sqrt(cols))` (σ_q: the standard
+/// Writes one shard with random contents. A quantized weight's codes are
+/// uniform over the symmetric range ([`symmetric_codes`]); its scales are about `1 / (σ_q · sqrt(cols))` (σ_q: the standard
 /// deviation of a uniform code, 4.6 for int4 and 73.9 for int8), each
 /// jittered by ±25 %.
 fn write_shard(
@@ -355,7 +357,10 @@ fn write_shard(
             }
         };
         match (*fill, e.spec.dtype) {
-            (Gen::Quant { .. }, Dtype::U8) => rng.fill_bytes(&mut buf),
+            (Gen::Quant { scheme, .. }, Dtype::U8) => {
+                rng.fill_bytes(&mut buf);
+                symmetric_codes(scheme, &mut buf);
+            }
             (Gen::Quant { scheme, cols, .. }, _) => {
                 let sigma = match scheme {
                     QuantScheme::Int8Row => 73.9,
@@ -382,6 +387,22 @@ fn write_shard(
     }
     w.finish()?;
     Ok(())
+}
+
+/// Makes uniform random codes zero-mean: the most negative code (int4 −8,
+/// int8 −128) becomes 0. Plain uniform codes have mean −0.5, which gives
+/// every projection a common rank-one component; through the layers it
+/// grows until every token's hidden state, and so its routing, is the same.
+fn symmetric_codes(scheme: QuantScheme, buf: &mut [u8]) {
+    match scheme {
+        QuantScheme::Int8Row => buf.iter_mut().filter(|b| **b == 0x80).for_each(|b| *b = 0),
+        QuantScheme::Int4Row | QuantScheme::Int4Grouped { .. } => {
+            for b in buf.iter_mut() {
+                let (lo, hi) = (*b & 0x0f, *b >> 4);
+                *b = if lo == 0 { 8 } else { lo } | (if hi == 0 { 8 } else { hi } << 4);
+            }
+        }
+    }
 }
 
 /// True when the file at `path` starts with `layout`'s safetensors header.
