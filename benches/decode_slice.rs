@@ -16,7 +16,7 @@
 //! weight has standard deviation about `1/sqrt(fan_in)` (embedding rows: 1,
 //! so the fed token steers the residual stream), norms 1, router
 //! weights uniform with that deviation. Two shards: `out-00000.safetensors`
-//! (resident weights, 0.59 GB) and `out-00001.safetensors` (the routed
+//! (resident weights, 0.54 GB) and `out-00001.safetensors` (the routed
 //! experts, 512 × 21,233,664 B = 10.87 GB). No tokenizer: the bench drives
 //! [`Glm52Model::forward`] with ids directly.
 //!
