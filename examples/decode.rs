@@ -4,6 +4,7 @@
 //! cargo run --release --example decode -- [--model DIR] [--prompt TEXT | --prompt-ids 1,2,3]
 //!     [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw]
 //!     [--ram-budget GB] [--dump-logits FILE.npy] [--mtp[=K]] [--mtp-fixed]
+//!     [--routing-trace FILE.jsonl]
 //! ```
 //!
 //! `--mtp[=K]` decodes speculatively with the model's MTP head, at most `K`
@@ -17,6 +18,11 @@
 //! Every input is checked before any MLX work: bad ids, an empty prompt, a
 //! prompt that with `--max-tokens` would overflow the context, a container that
 //! is not `glm_moe_dsa`.
+//!
+//! `--routing-trace FILE` records the routed experts of every MoE layer of
+//! the run (prefill and decode) and saves them as JSON lines
+//! ([`glm_stream::experts::RoutingTrace`]) for replay through the residency
+//! policies (`glm_stream::experts::replay`).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -43,11 +49,13 @@ struct Args {
     dump_logits: Option<PathBuf>,
     mtp: Option<usize>,
     mtp_fixed: bool,
+    routing_trace: Option<PathBuf>,
 }
 
 const USAGE: &str = "usage: decode [--model DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--max-tokens N] \
 [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--ram-budget GB] [--dump-logits FILE.npy] \
-[--mtp[=K]] [--mtp-fixed]";
+[--mtp[=K]] [--mtp-fixed] \
+[--routing-trace FILE.jsonl]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -64,6 +72,7 @@ fn parse_args() -> Result<Args, String> {
         dump_logits: None,
         mtp: None,
         mtp_fixed: false,
+        routing_trace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -118,6 +127,9 @@ fn parse_args() -> Result<Args, String> {
                 a.ram_budget_gb = Some(gb);
             }
             "--dump-logits" => a.dump_logits = Some(PathBuf::from(value("--dump-logits")?)),
+            "--routing-trace" => {
+                a.routing_trace = Some(PathBuf::from(value("--routing-trace")?));
+            }
             "--raw" => a.raw = true,
             "--mtp" => a.mtp = Some(1),
             "--mtp-fixed" => a.mtp_fixed = true,
@@ -227,6 +239,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         Some(_) => Some(MtpDrafter::new(&mut model, args.seed)?),
         None => None,
     };
+    model.set_routing_trace(args.routing_trace.is_some());
     let before = model.expert_stats();
     let mut session = Session::new(&mut model, Some(&tokenizer), &prompt, opts)?;
     if let (Some(drafter), Some(k)) = (drafter, args.mtp) {
@@ -253,6 +266,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if let (Some(path), Some(dump)) = (&args.dump_logits, logits) {
         dump.write_npy(path)?;
         eprintln!("wrote {} logits rows to {}", dump.rows(), path.display());
+    }
+
+    if let Some(path) = &args.routing_trace {
+        match model.routing_trace() {
+            Some(trace) => {
+                trace.save(path)?;
+                eprintln!(
+                    "wrote the routing of {} MoE passes ({} rows) to {}",
+                    trace.len(),
+                    trace.rows(),
+                    path.display()
+                );
+            }
+            None => eprintln!("the model has no routed experts: no routing trace written"),
+        }
     }
 
     let after = model.expert_stats();

@@ -5,6 +5,8 @@
 //! - [`slab`]: the slot memory (MLX-owned arenas) and slot generations.
 //! - [`reader`]: the disk side (O_DIRECT/F_NOCACHE reads, I/O threads).
 //! - [`residency`]: which experts stay, the lease protocol, telemetry.
+//! - [`trace`]: the routing of a run ([`RoutingTrace`]), saved as JSON lines.
+//! - [`replay`]: a trace replayed through the policy, LRU and Belady's optimum.
 //!
 //! The protocol that makes writing slot memory from I/O threads sound: a slot
 //! is written only while it is assigned to a load that no lease has been
@@ -14,17 +16,21 @@
 
 pub mod layout;
 pub mod reader;
+pub mod replay;
 pub mod residency;
 pub mod slab;
+pub mod trace;
 
 pub use layout::ProjectionFormat;
 pub use layout::{ExpertExtents, Projection, ScalePath, SlotLayout, TensorExtent};
 pub use reader::{DirectUpload, ExpertSource, FileExpertSource, SlotTarget, SlotUpload};
+pub use replay::ReplayResult;
 pub use residency::{
     Lease, LeaseEntry, PolicyConfig, PolicyEntry, PolicyLease, ResidencyManager, ResidencyPolicy,
     Telemetry,
 };
 pub use slab::{SlabConfig, SlabStore, SlotHandle};
+pub use trace::{LayerRouting, Request, RoutingTrace, TraceError};
 
 use crate::mlx::MlxError;
 use std::path::PathBuf;

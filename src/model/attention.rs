@@ -56,6 +56,8 @@ pub struct Step<'a> {
     pub shared: Option<&'a TopK>,
     /// Compute the indexer's cut gap.
     pub track_gap: bool,
+    /// Return the routed expert ids of MoE layers (for the routing trace).
+    pub keep_routes: bool,
 }
 
 /// The attention of one decoder layer.

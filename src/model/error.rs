@@ -132,6 +132,14 @@ pub enum ModelError {
     /// The model was opened without an MTP head, or the container has none.
     #[error("no MTP head: {0}")]
     NoMtp(String),
+    /// Recording the routing trace failed.
+    #[error("layer {layer}: routing trace: {source}")]
+    RoutingTrace {
+        /// MoE layer.
+        layer: usize,
+        /// The trace error.
+        source: Box<crate::experts::TraceError>,
+    },
 }
 
 /// Attaches a [`Site`] to MLX errors.

@@ -41,6 +41,9 @@ pub struct LayerOutcome {
     pub selection: Option<Selection>,
     /// The router's smallest cut gap (MoE layers).
     pub router_gap: Option<f32>,
+    /// The routed expert ids, `top_k` per row (MoE layers, when
+    /// [`Step::keep_routes`] is set).
+    pub routed: Option<Vec<u32>>,
 }
 
 impl DecoderLayer {
@@ -109,13 +112,14 @@ impl DecoderLayer {
         let h = x.add(&attn).at(site, "attention residual")?;
         let normed = rms_norm(&h, Some(&self.post_attention_norm), self.eps)
             .at(site, "post-attention norm")?;
-        let (ffn, router_gap) = match &self.ffn {
-            FeedForward::Dense(mlp) => (mlp.forward(w, &normed)?, None),
+        let (ffn, router_gap, routed) = match &self.ffn {
+            FeedForward::Dense(mlp) => (mlp.forward(w, &normed)?, None, None),
             FeedForward::Moe(moe) => {
                 let executor = executor.ok_or_else(|| {
                     ModelError::UnsupportedConfig(format!("{site}: MoE layer without experts"))
                 })?;
-                moe.forward(w, executor, &normed)?
+                let out = moe.forward(w, executor, &normed, step.keep_routes)?;
+                (out.hidden, out.router_gap, out.routed)
             }
         };
         let hidden = h.add(&ffn).at(site, "MLP residual")?;
@@ -123,6 +127,7 @@ impl DecoderLayer {
             hidden,
             selection,
             router_gap,
+            routed,
         })
     }
 }

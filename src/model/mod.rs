@@ -40,7 +40,9 @@ pub use error::{ModelError, Site};
 
 use crate::container::{ColibriContainer, Glm52Config};
 use crate::executor::{StreamedExecutor, layouts_from_source};
-use crate::experts::{DirectUpload, FileExpertSource, PolicyConfig, ResidencyManager, SlabConfig};
+use crate::experts::{
+    DirectUpload, FileExpertSource, PolicyConfig, ResidencyManager, RoutingTrace, SlabConfig,
+};
 use crate::mlx::fast::rms_norm;
 use crate::mlx::{self, Array, Dtype, MlxError};
 use crate::resident::{Glm52WeightSource, ResidentOptions, ResidentWeights};
@@ -153,6 +155,11 @@ pub struct Glm52Model {
     mtp: Option<mtp::MtpHead>,
     keep_hidden: bool,
     last_hidden: Vec<f32>,
+    /// The routing trace (`None` without routed experts), whether it records,
+    /// and the index of the next recorded forward call.
+    trace: Option<RoutingTrace>,
+    tracing_routes: bool,
+    trace_call: u64,
 }
 
 impl std::fmt::Debug for Glm52Model {
@@ -229,6 +236,10 @@ impl Glm52Model {
         } else {
             None
         };
+        let trace = executor.as_ref().and_then(|_| {
+            let experts = u32::try_from(config.n_routed_experts.unwrap_or(0)).ok()?;
+            RoutingTrace::new(experts, config.num_experts_per_tok).ok()
+        });
         Ok(Self {
             weights,
             config,
@@ -244,6 +255,9 @@ impl Glm52Model {
             mtp,
             keep_hidden: false,
             last_hidden: Vec::new(),
+            trace,
+            tracing_routes: false,
+            trace_call: 0,
         })
     }
 
@@ -288,6 +302,31 @@ impl Glm52Model {
     /// costs a second top-k over the index scores of every indexer layer).
     pub fn set_cut_gap_tracking(&mut self, on: bool) {
         self.track_indexer_gaps = on;
+    }
+
+    /// Turns recording of the routing trace on or off (off by default).
+    /// While on, every MoE layer of every [`forward`](Self::forward) pass
+    /// appends its routed expert ids (`top_k` per row) to
+    /// [`routing_trace`](Self::routing_trace), tagged with the index of the
+    /// forward call (counted over the calls made while recording). A call
+    /// that fails leaves no records. Turning it off keeps what was recorded.
+    pub fn set_routing_trace(&mut self, on: bool) {
+        self.tracing_routes = on;
+    }
+
+    /// The routing recorded so far; `None` for a model without routed
+    /// experts.
+    pub fn routing_trace(&self) -> Option<&RoutingTrace> {
+        self.trace.as_ref()
+    }
+
+    /// Takes the routing recorded so far, leaving an empty trace (the call
+    /// count restarts at 0); `None` for a model without routed experts.
+    pub fn take_routing_trace(&mut self) -> Option<RoutingTrace> {
+        let trace = self.trace.as_mut()?;
+        let empty = RoutingTrace::new(trace.experts(), trace.top_k()).ok()?;
+        self.trace_call = 0;
+        Some(std::mem::replace(trace, empty))
     }
 
     /// Sets the most tokens one pass of [`forward`](Self::forward) runs
@@ -343,6 +382,7 @@ impl Glm52Model {
         let mut gaps = CutGaps::default();
         let mut logits = Vec::new();
         self.last_hidden.clear();
+        let trace_len = self.trace.as_ref().map_or(0, RoutingTrace::len);
         let chunks = ids.chunks(self.prefill_chunk);
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.enumerate() {
@@ -362,11 +402,17 @@ impl Glm52Model {
                     cache.truncate(start);
                     self.gaps = CutGaps::default();
                     self.last_hidden.clear();
+                    if let Some(t) = &mut self.trace {
+                        t.truncate(trace_len);
+                    }
                     return Err(e);
                 }
             }
         }
         self.gaps = gaps;
+        if self.recording() {
+            self.trace_call += 1;
+        }
         Ok(logits)
     }
 
@@ -398,16 +444,27 @@ impl Glm52Model {
         let mut shared: Option<TopK> = None;
         let mut router_gap: Option<f32> = None;
         let mut index_gaps: Vec<Array> = Vec::new();
+        let keep_routes = self.recording();
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers_mut()) {
             let step = Step {
                 offset,
                 causal: causal.as_ref(),
                 shared: shared.as_ref(),
                 track_gap: self.track_indexer_gaps,
+                keep_routes,
             };
             let out =
                 layer.forward(&self.weights, self.executor.as_mut(), &h, layer_cache, step)?;
             h = out.hidden;
+            if let (Some(ids), Some(trace)) = (out.routed, self.trace.as_mut()) {
+                let index = layer.index();
+                trace
+                    .push(self.trace_call, index as u32, ids)
+                    .map_err(|e| ModelError::RoutingTrace {
+                        layer: index,
+                        source: Box::new(e),
+                    })?;
+            }
             if let Some(selection) = out.selection {
                 shared = selection.top_k;
                 index_gaps.extend(selection.min_gap);
@@ -480,6 +537,10 @@ impl Glm52Model {
     /// takes (see [`mtp`]). Empty otherwise or after a failed call.
     pub fn last_hidden(&self) -> &[f32] {
         &self.last_hidden
+    }
+
+    fn recording(&self) -> bool {
+        self.tracing_routes && self.trace.is_some()
     }
 
     /// Routed-expert pool counters since the model was opened.

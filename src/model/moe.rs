@@ -84,14 +84,16 @@ impl MoeBlock {
         })
     }
 
-    /// `x` is `[1, L, hidden]`; returns `[1, L, hidden]` and the smallest
-    /// router cut gap over the rows (`None` when `top_k == n_experts`).
+    /// `x` is `[1, L, hidden]`; returns `[1, L, hidden]`, the smallest router
+    /// cut gap over the rows (`None` when `top_k == n_experts`) and, when
+    /// `keep_routes`, the routed expert ids (`top_k` per row, row-major).
     pub fn forward(
         &self,
         w: &dyn Glm52WeightSource,
         executor: &mut StreamedExecutor,
         x: &Array,
-    ) -> Result<(Array, Option<f32>), ModelError> {
+        keep_routes: bool,
+    ) -> Result<MoeOutcome, ModelError> {
         let (layer, site) = (self.layer, Site::Layer(self.layer));
         let shape = x.shape();
         let rows = x.reshape(&[-1, self.hidden as i32]).at(site, "MoE input")?;
@@ -103,6 +105,7 @@ impl MoeBlock {
         let config = self.router.config();
         let routes = select(config, &scores, self.router.bias()).map_err(routing)?;
         let gap = router_cut_gap(config, &scores, self.router.bias());
+        let routed = keep_routes.then(|| routes.all_ids().to_vec());
         let shared = match &self.shared {
             Some(s) => Some(s.forward(w, &rows)?),
             None => None,
@@ -119,9 +122,23 @@ impl MoeBlock {
                 layer,
                 source: Box::new(source),
             })?;
-        let out = out.reshape(&shape).at(site, "MoE output")?;
-        Ok((out, gap))
+        let hidden = out.reshape(&shape).at(site, "MoE output")?;
+        Ok(MoeOutcome {
+            hidden,
+            router_gap: gap,
+            routed,
+        })
     }
+}
+
+/// What [`MoeBlock::forward`] produced.
+pub struct MoeOutcome {
+    /// The block output `[1, L, hidden]`.
+    pub hidden: Array,
+    /// The smallest router cut gap over the rows.
+    pub router_gap: Option<f32>,
+    /// The routed expert ids, `top_k` per row (when asked for).
+    pub routed: Option<Vec<u32>>,
 }
 
 /// The smallest difference between the `k`-th and `(k+1)`-th best selection

@@ -258,6 +258,8 @@ impl Glm52Model {
             causal: causal.as_ref(),
             shared: None,
             track_gap: false,
+            // The routing trace records the main model's layers only.
+            keep_routes: false,
         };
         let result = (|| {
             let layer_cache = cache
