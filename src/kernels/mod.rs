@@ -182,7 +182,13 @@ impl FusedExperts {
     /// or why `Fused` cannot run it.
     pub fn path(&self, rows: usize, experts: &[ExpertSlot<'_>]) -> Result<Path> {
         let layouts: Vec<[ProjectionLayout; 3]> = experts.iter().map(|e| *e.projections).collect();
-        let geometry = self.geometry(&layouts);
+        self.path_for_layouts(rows, &layouts)
+    }
+
+    /// [`FusedExperts::path`] from the experts' slot layouts alone (gate, up,
+    /// down of each), before any slot is viewed.
+    pub fn path_for_layouts(&self, rows: usize, layouts: &[[ProjectionLayout; 3]]) -> Result<Path> {
+        let geometry = self.geometry(layouts);
         select::select(self.family, &self.environment, rows, &geometry)
     }
 
