@@ -62,6 +62,7 @@ use crate::experts::SlotLayout;
 use crate::experts::layout::ProjectionLayout;
 use crate::mlx::{Array, Dtype, MlxError};
 
+pub use fused::FusedTuning;
 pub use select::{Environment, FusedGeometry, Path};
 
 /// An error from the expert kernels.
@@ -142,6 +143,7 @@ pub struct FusedExperts {
     family: KernelFamily,
     environment: Environment,
     kernels: RefCell<HashMap<fused::KernelKey, std::rc::Rc<crate::mlx::Kernel>>>,
+    tuning: Option<FusedTuning>,
 }
 
 impl FusedExperts {
@@ -165,7 +167,23 @@ impl FusedExperts {
             family,
             environment,
             kernels: RefCell::new(HashMap::new()),
+            tuning: None,
         })
+    }
+
+    /// Pins the CUDA kernels' launch shape (`None`: [`FusedTuning::for_rows`]
+    /// per launch). For benches; the Metal kernels ignore it.
+    pub fn with_tuning(mut self, tuning: Option<FusedTuning>) -> Result<Self> {
+        if let Some(t) = &tuning {
+            t.check()?;
+        }
+        self.tuning = tuning;
+        Ok(self)
+    }
+
+    /// The pinned launch shape, if any.
+    pub fn tuning(&self) -> Option<FusedTuning> {
+        self.tuning
     }
 
     /// The requested family.
@@ -213,7 +231,15 @@ impl FusedExperts {
             Path::Stock => stock::forward(x, experts, weights),
             Path::Fused(backend) => {
                 let geometry = geometry.map_err(|reason| KernelError::Unsupported { reason })?;
-                fused::forward(&self.kernels, backend, &geometry, x, experts, weights)
+                fused::forward(
+                    &self.kernels,
+                    backend,
+                    &geometry,
+                    self.tuning.as_ref(),
+                    x,
+                    experts,
+                    weights,
+                )
             }
         }
     }
@@ -224,6 +250,7 @@ impl std::fmt::Debug for FusedExperts {
         f.debug_struct("FusedExperts")
             .field("family", &self.family)
             .field("environment", &self.environment)
+            .field("tuning", &self.tuning)
             .field("cached_kernels", &self.kernels.borrow().len())
             .finish()
     }
