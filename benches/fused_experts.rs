@@ -39,7 +39,6 @@ use glm_stream::moe::Routes;
 const HIDDEN: usize = 6144;
 const INTER: usize = 2048;
 const SLOTS_PER_ARENA: usize = 64;
-const ARENAS: usize = 2;
 const TOP_K: usize = 8;
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -140,16 +139,17 @@ fn hbm_bandwidth() -> BenchResult<f64> {
 
 struct Pool {
     arenas: Vec<WritableBuffer>,
+    count: usize,
     stride: usize,
     layout: SlotLayout,
 }
 
 impl Pool {
-    fn new(rng: &mut Rng) -> BenchResult<Self> {
+    fn new(rng: &mut Rng, count: usize) -> BenchResult<Self> {
         let layout = glm_layout()?;
         let stride = layout.slot_bytes.div_ceil(16384) * 16384;
         let mut arenas = Vec::new();
-        for _ in 0..ARENAS {
+        for _ in 0..count {
             let mut b = WritableBuffer::new(stride * SLOTS_PER_ARENA)?;
             let bytes = b.bytes_mut()?;
             for s in 0..SLOTS_PER_ARENA {
@@ -163,6 +163,7 @@ impl Pool {
         }
         Ok(Self {
             arenas,
+            count,
             stride,
             layout,
         })
@@ -178,7 +179,7 @@ impl Pool {
     }
 
     fn slots(&self) -> usize {
-        ARENAS * SLOTS_PER_ARENA
+        self.count * SLOTS_PER_ARENA
     }
 }
 
@@ -247,7 +248,7 @@ fn layer_time(
     ))
 }
 
-fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool) -> BenchResult<()> {
+fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool, quick: bool) -> BenchResult<()> {
     let expert_bytes = pool.layout.data_bytes as f64;
     println!(
         "layer: {} slots of {} B (data {} B), bf16 x, wall time of build+eval",
@@ -275,9 +276,21 @@ fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool) -> BenchResult
         (1, 4 * TOP_K, 4),
         (4, 4 * TOP_K, 4),
     ];
-    for (rows, experts, batch) in runs {
+    let quick_runs = [
+        (1, TOP_K, 1),
+        (1, TOP_K, 16),
+        (2, TOP_K, 16),
+        (4, TOP_K, 16),
+        (8, TOP_K, 16),
+    ];
+    let (runs, layers): (&[(usize, usize, usize)], usize) = if quick {
+        (&quick_runs, 160)
+    } else {
+        (&runs, 330)
+    };
+    for &(rows, experts, batch) in runs {
         println!("  -- M={rows}, E={experts}, {batch} call(s) per eval");
-        let (s, s10, s90) = layer_time(pool, &stock, rows, experts, batch, 330, rng)?;
+        let (s, s10, s90) = layer_time(pool, &stock, rows, experts, batch, layers, rng)?;
         println!(
             "  M={rows} E={experts} x{batch} stock: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s = {:.0} % of hbm",
             s * 1e6,
@@ -287,7 +300,7 @@ fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool) -> BenchResult
             pct(experts, s)
         );
         if let Some(f) = &fused {
-            let (t, t10, t90) = layer_time(pool, f, rows, experts, batch, 330, rng)?;
+            let (t, t10, t90) = layer_time(pool, f, rows, experts, batch, layers, rng)?;
             println!(
                 "  M={rows} E={experts} x{batch} fused: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s = {:.0} % of hbm; {:.2}× stock",
                 t * 1e6,
@@ -361,21 +374,21 @@ impl ExpertSource for RandomExperts {
 
 /// The streamed executor's decode step for one layer with every expert
 /// resident: `forward_routes` per call (8 random experts, random weights).
-fn executor_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
-    const EXPERTS: u32 = 128;
+fn executor_bench(rng: &mut Rng, hbm: f64, quick: bool) -> BenchResult<()> {
+    let experts: u32 = if quick { 64 } else { 128 };
     let layout = glm_layout()?;
     let source = Arc::new(RandomExperts {
         layout: layout.clone(),
     });
-    let slots = EXPERTS as usize;
+    let slots = experts as usize;
     let manager = ResidencyManager::new(
         &SlabConfig::new(layout.slot_bytes, slots),
-        PolicyConfig::new(1, EXPERTS, slots),
+        PolicyConfig::new(1, experts, slots),
         source,
         Arc::new(DirectUpload),
         4,
     )?;
-    let layouts = (0..EXPERTS).map(|e| ((0u32, e), layout.clone()));
+    let layouts = (0..experts).map(|e| ((0u32, e), layout.clone()));
     let mut ex = StreamedExecutor::new(manager, HIDDEN, layouts)?;
     let expert_bytes = layout.data_bytes as f64;
     let route = |rows: usize, rng: &mut Rng| -> BenchResult<Routes> {
@@ -384,7 +397,7 @@ fn executor_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
         for _ in 0..rows {
             let mut row: Vec<u32> = Vec::with_capacity(TOP_K);
             while row.len() < TOP_K {
-                let e = rng.below(EXPERTS as usize) as u32;
+                let e = rng.below(experts as usize) as u32;
                 if !row.contains(&e) {
                     row.push(e);
                 }
@@ -392,17 +405,17 @@ fn executor_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
             ids.extend(row);
             weights.extend((0..TOP_K).map(|_| 0.05 + (rng.next() % 100) as f32 / 1000.0));
         }
-        Ok(Routes::new(TOP_K, EXPERTS, ids, weights)?)
+        Ok(Routes::new(TOP_K, experts, ids, weights)?)
     };
     // Load every expert once (16 calls of 8 distinct experts).
     let x1 = Array::from_slice(&vec![0.01f32; HIDDEN], &[1, HIDDEN as i32])?;
-    for c in 0..(EXPERTS as usize / TOP_K) {
+    for c in 0..(experts as usize / TOP_K) {
         let ids: Vec<u32> = (0..TOP_K as u32).map(|k| (c * TOP_K) as u32 + k).collect();
-        let routes = Routes::new(TOP_K, EXPERTS, ids, vec![0.125; TOP_K])?;
-        ex.forward_routes(0, &x1, routes, EXPERTS, None)?;
+        let routes = Routes::new(TOP_K, experts, ids, vec![0.125; TOP_K])?;
+        ex.forward_routes(0, &x1, routes, experts, None)?;
     }
     println!(
-        "executor: one layer, {EXPERTS} resident experts, top-{TOP_K}, bf16 rows, forward_routes wall time"
+        "executor: one layer, {experts} resident experts, top-{TOP_K}, bf16 rows, forward_routes wall time"
     );
     let families: &[KernelFamily] =
         if Environment::current().gpu_default && Environment::current().fused_backend.is_some() {
@@ -425,7 +438,7 @@ fn executor_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
             let before = ex.telemetry().clone();
             let mut times = Vec::new();
             let mut distinct = 0usize;
-            for i in 0..220 {
+            for i in 0..if quick { 120 } else { 220 } {
                 let routes = route(rows, rng)?;
                 let mut seen: Vec<u32> = routes.ids(0).to_vec();
                 for r in 1..rows {
@@ -434,7 +447,7 @@ fn executor_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
                 seen.sort_unstable();
                 seen.dedup();
                 let t = Instant::now();
-                ex.forward_routes(0, &x, routes, EXPERTS, None)?;
+                ex.forward_routes(0, &x, routes, experts, None)?;
                 if i >= 20 {
                     times.push(t.elapsed().as_secs_f64());
                     distinct += seen.len();
@@ -699,12 +712,13 @@ fn main() -> BenchResult<()> {
     mlx::memory::set_limit(12 << 30);
     let hbm = if gpu { hbm_bandwidth()? } else { 1.0 };
     if gpu || flag("--cpu") {
+        let quick = flag("--quick");
         {
-            let pool = Pool::new(&mut rng)?;
-            layer_bench(&pool, &mut rng, hbm, flag("--sweep"))?;
+            let pool = Pool::new(&mut rng, if quick { 1 } else { 2 })?;
+            layer_bench(&pool, &mut rng, hbm, flag("--sweep"), quick)?;
         }
         mlx::memory::clear_cache();
-        executor_bench(&mut rng, hbm)?;
+        executor_bench(&mut rng, hbm, quick)?;
         if gpu {
             hbm_bandwidth()?;
         }

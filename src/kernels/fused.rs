@@ -49,31 +49,24 @@ pub struct FusedTuning {
 }
 
 impl FusedTuning {
-    /// The default for `rows` input rows (measured on the H200, see
-    /// benches/RESULTS.md): fewer rows per warp as the per-row accumulators
-    /// grow, so that registers still allow several blocks per SM.
+    /// The default for `rows` input rows, from the H200 sweep of
+    /// benches/RESULTS.md (16 layers of 8 GLM-5.2 experts per eval): one row
+    /// per warp in K1 at M = 1 (the most blocks), four from M = 3 on (each
+    /// decoded weight serves more products); four rows per warp in K2 up to
+    /// M = 4, two beyond (registers). Two chunks per step never helped by
+    /// more than the noise.
     pub fn for_rows(rows: usize) -> Self {
-        if rows <= 1 {
-            Self {
-                gate_up_rows: 4,
-                gate_up_unroll: 1,
-                down_rows: 4,
-                down_unroll: 1,
-            }
-        } else if rows <= 2 {
-            Self {
-                gate_up_rows: 2,
-                gate_up_unroll: 1,
-                down_rows: 2,
-                down_unroll: 1,
-            }
-        } else {
-            Self {
-                gate_up_rows: 1,
-                gate_up_unroll: 1,
-                down_rows: 1,
-                down_unroll: 1,
-            }
+        let (gate_up_rows, down_rows) = match rows {
+            0 | 1 => (1, 4),
+            2 => (2, 2),
+            3 | 4 => (4, 4),
+            _ => (4, 2),
+        };
+        Self {
+            gate_up_rows,
+            gate_up_unroll: 1,
+            down_rows,
+            down_unroll: 1,
         }
     }
 
