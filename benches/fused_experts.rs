@@ -7,26 +7,38 @@
 //!    picking 8 distinct experts out of 128 slots (2.7 GB, far beyond the
 //!    60 MB L2) and timing graph build + evaluation. Effective bandwidth =
 //!    expert bytes / time.
-//! 3. `upload`: getting a missed expert (21 MB) from host memory into a
-//!    usable slot: host writes into the MLX managed slot (one memcpy, 2 MiB
-//!    chunks, 8 threads) then the first GPU touch, vs `cudaMemcpy` through
-//!    the CUDA runtime (pinned and pageable host → device, and pinned host →
-//!    the managed slot itself), loaded with `dlopen` from the image.
+//!    `E` experts per fused call (32: four layers' experts in one launch
+//!    pair, the kernels' throughput with less launch overhead) and, with
+//!    `--sweep`, every CUDA launch shape ([`FusedTuning`]) at M = 1, 4, 8.
+//! 3. `executor`: [`StreamedExecutor::forward_routes`] for one layer of 128
+//!    resident GLM-5.2 experts (random top-8 per call, bf16 row), kernel
+//!    family pinned to `Stock` or `Fused`: the decode path's per-layer time
+//!    including routing weights, the lease and the fenced evaluation.
+//! 4. `upload` (skipped with `--no-upload`): getting a missed expert (21 MB)
+//!    from host memory into a usable slot: host writes into the MLX managed
+//!    slot (one memcpy, 2 MiB chunks, 8 threads) then the first GPU touch,
+//!    vs `cudaMemcpy` through the CUDA runtime (pinned and pageable host →
+//!    device, and pinned host → the managed slot itself), loaded with
+//!    `dlopen` from the image.
 //!
 //! `cargo bench --bench fused_experts --features cuda` (on a CPU build only
 //! the stock figures and the managed-write figures are produced).
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use glm_stream::experts::SlotLayout;
+use glm_stream::executor::{ExecutorOptions, StreamedExecutor};
 use glm_stream::experts::layout::{ExpertExtents, ProjectionFormat, TensorExtent};
-use glm_stream::kernels::{Environment, ExpertSlot, FusedExperts, KernelFamily, Path};
+use glm_stream::experts::{
+    DirectUpload, ExpertError, ExpertSource, PolicyConfig, ResidencyManager, SlabConfig, SlotLayout,
+};
+use glm_stream::kernels::{Environment, ExpertSlot, FusedExperts, FusedTuning, KernelFamily};
 use glm_stream::mlx::{self, Array, Device, Dtype, WritableBuffer};
+use glm_stream::moe::Routes;
 
 const HIDDEN: usize = 6144;
 const INTER: usize = 2048;
 const SLOTS_PER_ARENA: usize = 64;
-const ARENAS: usize = 2;
 const TOP_K: usize = 8;
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -127,16 +139,17 @@ fn hbm_bandwidth() -> BenchResult<f64> {
 
 struct Pool {
     arenas: Vec<WritableBuffer>,
+    count: usize,
     stride: usize,
     layout: SlotLayout,
 }
 
 impl Pool {
-    fn new(rng: &mut Rng) -> BenchResult<Self> {
+    fn new(rng: &mut Rng, count: usize) -> BenchResult<Self> {
         let layout = glm_layout()?;
         let stride = layout.slot_bytes.div_ceil(16384) * 16384;
         let mut arenas = Vec::new();
-        for _ in 0..ARENAS {
+        for _ in 0..count {
             let mut b = WritableBuffer::new(stride * SLOTS_PER_ARENA)?;
             let bytes = b.bytes_mut()?;
             for s in 0..SLOTS_PER_ARENA {
@@ -150,6 +163,7 @@ impl Pool {
         }
         Ok(Self {
             arenas,
+            count,
             stride,
             layout,
         })
@@ -165,7 +179,7 @@ impl Pool {
     }
 
     fn slots(&self) -> usize {
-        ARENAS * SLOTS_PER_ARENA
+        self.count * SLOTS_PER_ARENA
     }
 }
 
@@ -173,26 +187,33 @@ impl Pool {
 /// independent layers (distinct random experts) per `eval` (1: one layer's
 /// latency including graph build, launch and sync; more: GPU throughput
 /// with MLX's per-eval overhead amortized).
+#[allow(clippy::too_many_arguments)]
 fn layer_time(
     pool: &Pool,
     runner: &FusedExperts,
     rows: usize,
+    experts: usize,
     batch: usize,
+    layers: usize,
     rng: &mut Rng,
 ) -> BenchResult<(f64, f64, f64)> {
     let xs: Vec<f32> = (0..rows * HIDDEN)
         .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
         .collect();
     let x = Array::from_slice(&xs, &[rows as i32, HIDDEN as i32])?.astype(Dtype::Bfloat16)?;
-    let w = mlx::full(&[rows as i32, TOP_K as i32], 0.125, Dtype::Float32)?;
+    let w = mlx::full(
+        &[rows as i32, experts as i32],
+        1.0 / experts as f32,
+        Dtype::Float32,
+    )?;
     mlx::eval(&[&x, &w])?;
     let mut times = Vec::new();
-    let iters = 330 / batch;
+    let iters = (layers / batch).max(10);
     for i in 0..iters {
         let picks: Vec<Vec<usize>> = (0..batch)
             .map(|_| {
-                let mut ids: Vec<usize> = Vec::with_capacity(TOP_K);
-                while ids.len() < TOP_K {
+                let mut ids: Vec<usize> = Vec::with_capacity(experts);
+                while ids.len() < experts {
                     let s = rng.below(pool.slots());
                     if !ids.contains(&s) {
                         ids.push(s);
@@ -227,11 +248,10 @@ fn layer_time(
     ))
 }
 
-fn layer_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
-    let pool = Pool::new(rng)?;
+fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool, quick: bool) -> BenchResult<()> {
     let expert_bytes = pool.layout.data_bytes as f64;
     println!(
-        "layer: {} slots of {} B (data {} B), top-{TOP_K}, bf16 x, wall time of build+eval",
+        "layer: {} slots of {} B (data {} B), bf16 x, wall time of build+eval",
         pool.slots(),
         pool.layout.slot_bytes,
         pool.layout.data_bytes
@@ -241,33 +261,219 @@ fn layer_bench(rng: &mut Rng, hbm: f64) -> BenchResult<()> {
         Ok(f) if Environment::current().gpu_default => Some(f),
         _ => None,
     };
-    for (rows, batch) in [(1usize, 1usize), (2, 1), (4, 1), (8, 1), (1, 16), (4, 16)] {
-        println!("  -- M={rows}, {batch} layer(s) per eval");
-        let (s, s10, s90) = layer_time(&pool, &stock, rows, batch, rng)?;
-        let gb = |t: f64| TOP_K as f64 * expert_bytes / t / 1e9;
+    let gb = |e: usize, t: f64| e as f64 * expert_bytes / t / 1e9;
+    let pct = |e: usize, t: f64| 100.0 * e as f64 * expert_bytes / t / hbm;
+    let runs: [(usize, usize, usize); 11] = [
+        (1, TOP_K, 1),
+        (2, TOP_K, 1),
+        (4, TOP_K, 1),
+        (8, TOP_K, 1),
+        (1, TOP_K, 16),
+        (2, TOP_K, 16),
+        (4, TOP_K, 16),
+        (8, TOP_K, 16),
+        (1, 4 * TOP_K, 1),
+        (1, 4 * TOP_K, 4),
+        (4, 4 * TOP_K, 4),
+    ];
+    let quick_runs = [
+        (1, TOP_K, 1),
+        (1, TOP_K, 16),
+        (2, TOP_K, 16),
+        (4, TOP_K, 16),
+        (8, TOP_K, 16),
+    ];
+    let (runs, layers): (&[(usize, usize, usize)], usize) = if quick {
+        (&quick_runs, 160)
+    } else {
+        (&runs, 330)
+    };
+    for &(rows, experts, batch) in runs {
+        println!("  -- M={rows}, E={experts}, {batch} call(s) per eval");
+        let (s, s10, s90) = layer_time(pool, &stock, rows, experts, batch, layers, rng)?;
         println!(
-            "  M={rows} stock: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s",
+            "  M={rows} E={experts} x{batch} stock: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s = {:.0} % of hbm",
             s * 1e6,
             s10 * 1e6,
             s90 * 1e6,
-            gb(s)
+            gb(experts, s),
+            pct(experts, s)
         );
         if let Some(f) = &fused {
-            let v = pool.view(0)?;
-            let probe = [ExpertSlot::new(&v, &pool.layout)];
-            if !matches!(f.path(rows, &probe)?, Path::Fused(_)) {
-                continue;
-            }
-            let (t, t10, t90) = layer_time(&pool, f, rows, batch, rng)?;
+            let (t, t10, t90) = layer_time(pool, f, rows, experts, batch, layers, rng)?;
             println!(
-                "  M={rows} fused: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s = {:.0} % of hbm; {:.2}× stock",
+                "  M={rows} E={experts} x{batch} fused: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s = {:.0} % of hbm; {:.2}× stock",
                 t * 1e6,
                 t10 * 1e6,
                 t90 * 1e6,
-                gb(t),
-                100.0 * TOP_K as f64 * expert_bytes / t / hbm,
+                gb(experts, t),
+                pct(experts, t),
                 s / t
             );
+        }
+    }
+    let Some(fused) = fused.filter(|_| sweep) else {
+        return Ok(());
+    };
+    println!("sweep: CUDA launch shapes, 16 layers of 8 experts per eval");
+    let shapes: Vec<(u32, u32)> = vec![(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)];
+    for rows in [1usize, 4, 8] {
+        let base = FusedTuning::for_rows(rows);
+        let mut tunings = Vec::new();
+        for &(r, u) in &shapes {
+            tunings.push(FusedTuning {
+                gate_up_rows: r,
+                gate_up_unroll: u,
+                ..base
+            });
+        }
+        for &(r, u) in &shapes {
+            let t = FusedTuning {
+                down_rows: r,
+                down_unroll: u,
+                ..base
+            };
+            if !tunings.contains(&t) {
+                tunings.push(t);
+            }
+        }
+        for t in tunings {
+            let runner = FusedExperts::new(KernelFamily::Fused)?.with_tuning(Some(t))?;
+            let (m, _, _) = layer_time(pool, &runner, rows, TOP_K, 16, 320, rng)?;
+            println!(
+                "  sweep M={rows} K1 {}x{} K2 {}x{}: {:.1} µs → {:.0} GB/s = {:.0} % of hbm{}",
+                t.gate_up_rows,
+                t.gate_up_unroll,
+                t.down_rows,
+                t.down_unroll,
+                m * 1e6,
+                gb(TOP_K, m),
+                pct(TOP_K, m),
+                if t == base { " (default)" } else { "" }
+            );
+        }
+    }
+    drop(fused);
+    Ok(())
+}
+
+/// Fills expert slots with random bytes (seeded by the expert id) and valid
+/// scales: the executor bench's storage, in memory.
+struct RandomExperts {
+    layout: SlotLayout,
+}
+
+impl ExpertSource for RandomExperts {
+    fn read_expert(&self, _layer: u32, expert: u32, dst: &mut [u8]) -> Result<u64, ExpertError> {
+        let n = self.layout.slot_bytes.min(dst.len());
+        let mut rng = Rng(0x5851_F42D_4C95_7F2D ^ (u64::from(expert) + 1).wrapping_mul(0x9E37));
+        fill_slot(&mut rng, &mut dst[..n], &self.layout);
+        Ok(n as u64)
+    }
+}
+
+/// The streamed executor's decode step for one layer with every expert
+/// resident: `forward_routes` per call (8 random experts, random weights).
+fn executor_bench(rng: &mut Rng, hbm: f64, quick: bool) -> BenchResult<()> {
+    let experts: u32 = if quick { 64 } else { 128 };
+    let layout = glm_layout()?;
+    let source = Arc::new(RandomExperts {
+        layout: layout.clone(),
+    });
+    let slots = experts as usize;
+    let manager = ResidencyManager::new(
+        &SlabConfig::new(layout.slot_bytes, slots),
+        PolicyConfig::new(1, experts, slots),
+        source,
+        Arc::new(DirectUpload),
+        4,
+    )?;
+    let layouts = (0..experts).map(|e| ((0u32, e), layout.clone()));
+    let mut ex = StreamedExecutor::new(manager, HIDDEN, layouts)?;
+    let expert_bytes = layout.data_bytes as f64;
+    let route = |rows: usize, rng: &mut Rng| -> BenchResult<Routes> {
+        let mut ids = Vec::with_capacity(rows * TOP_K);
+        let mut weights = Vec::with_capacity(rows * TOP_K);
+        for _ in 0..rows {
+            let mut row: Vec<u32> = Vec::with_capacity(TOP_K);
+            while row.len() < TOP_K {
+                let e = rng.below(experts as usize) as u32;
+                if !row.contains(&e) {
+                    row.push(e);
+                }
+            }
+            ids.extend(row);
+            weights.extend((0..TOP_K).map(|_| 0.05 + (rng.next() % 100) as f32 / 1000.0));
+        }
+        Ok(Routes::new(TOP_K, experts, ids, weights)?)
+    };
+    // Load every expert once (16 calls of 8 distinct experts).
+    let x1 = Array::from_slice(&vec![0.01f32; HIDDEN], &[1, HIDDEN as i32])?;
+    for c in 0..(experts as usize / TOP_K) {
+        let ids: Vec<u32> = (0..TOP_K as u32).map(|k| (c * TOP_K) as u32 + k).collect();
+        let routes = Routes::new(TOP_K, experts, ids, vec![0.125; TOP_K])?;
+        ex.forward_routes(0, &x1, routes, experts, None)?;
+    }
+    println!(
+        "executor: one layer, {experts} resident experts, top-{TOP_K}, bf16 rows, forward_routes wall time"
+    );
+    let families: &[KernelFamily] =
+        if Environment::current().gpu_default && Environment::current().fused_backend.is_some() {
+            &[KernelFamily::Stock, KernelFamily::Fused]
+        } else {
+            &[KernelFamily::Stock]
+        };
+    for rows in [1usize, 2, 4] {
+        let xs: Vec<f32> = (0..rows * HIDDEN)
+            .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let x = Array::from_slice(&xs, &[rows as i32, HIDDEN as i32])?.astype(Dtype::Bfloat16)?;
+        x.eval()?;
+        let mut stock_time = None;
+        for &family in families {
+            ex.set_options(ExecutorOptions {
+                kernel_family: family,
+                ..ExecutorOptions::default()
+            })?;
+            let before = ex.telemetry().clone();
+            let mut times = Vec::new();
+            let mut distinct = 0usize;
+            for i in 0..if quick { 120 } else { 220 } {
+                let routes = route(rows, rng)?;
+                let mut seen: Vec<u32> = routes.ids(0).to_vec();
+                for r in 1..rows {
+                    seen.extend(routes.ids(r));
+                }
+                seen.sort_unstable();
+                seen.dedup();
+                let t = Instant::now();
+                ex.forward_routes(0, &x, routes, experts, None)?;
+                if i >= 20 {
+                    times.push(t.elapsed().as_secs_f64());
+                    distinct += seen.len();
+                }
+            }
+            let after = ex.telemetry();
+            let med = percentile(&mut times, 0.5);
+            let (p10, p90) = (percentile(&mut times, 0.1), percentile(&mut times, 0.9));
+            let per_call = distinct as f64 / times.len() as f64;
+            let gbs = per_call * expert_bytes / med / 1e9;
+            let ratio =
+                stock_time.map_or(String::new(), |s: f64| format!("; {:.2}× stock", s / med));
+            println!(
+                "  M={rows} {family:?}: median {:.1} µs (p10 {:.1}, p90 {:.1}), {:.1} experts/call → {:.0} GB/s = {:.0} % of hbm; fused waves {}/{}{ratio}",
+                med * 1e6,
+                p10 * 1e6,
+                p90 * 1e6,
+                per_call,
+                gbs,
+                100.0 * gbs * 1e9 / hbm,
+                after.fused_waves - before.fused_waves,
+                after.waves - before.waves,
+            );
+            if family == KernelFamily::Stock {
+                stock_time = Some(med);
+            }
         }
     }
     Ok(())
@@ -502,13 +708,25 @@ fn main() -> BenchResult<()> {
     );
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let gpu = mlx::default_device() == Device::Gpu;
+    let flag = |f: &str| std::env::args().any(|a| a == f);
     mlx::memory::set_limit(12 << 30);
     let hbm = if gpu { hbm_bandwidth()? } else { 1.0 };
-    if gpu || std::env::args().any(|a| a == "--cpu") {
-        layer_bench(&mut rng, hbm)?;
+    if gpu || flag("--cpu") {
+        let quick = flag("--quick");
+        {
+            let pool = Pool::new(&mut rng, if quick { 1 } else { 2 })?;
+            layer_bench(&pool, &mut rng, hbm, flag("--sweep"), quick)?;
+        }
+        mlx::memory::clear_cache();
+        executor_bench(&mut rng, hbm, quick)?;
+        if gpu {
+            hbm_bandwidth()?;
+        }
     } else {
-        println!("layer: skipped on the CPU (pass --cpu to run it anyway)");
+        println!("layer, executor: skipped on the CPU (pass --cpu to run them anyway)");
     }
-    upload_bench(&mut rng)?;
+    if !flag("--no-upload") {
+        upload_bench(&mut rng)?;
+    }
     Ok(())
 }

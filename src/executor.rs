@@ -51,15 +51,37 @@
 //! their bound before MLX sees them. Everything stays in MLX; nothing is read
 //! back to the host.
 //!
+//! # Fused decode path
+//!
+//! With [`ExecutorOptions::kernel_family`] `Auto` (the default) or `Fused`,
+//! a wave of a call with at most [`ExecutorOptions::fused_max_rows`] rows is
+//! computed by the fused Q4/Q8 kernels ([`crate::kernels::FusedExperts`])
+//! straight from the slot bytes instead: each batch of experts that becomes
+//! resident together (all hits at once, then each miss as it lands) is one
+//! fused call over every row of `x`, with routing weights `[rows, experts]`
+//! that are zero where a row does not use an expert; the call's `[rows,
+//! hidden]` output already is the routing-weighted sum, so the wave's
+//! contribution is the sum of its calls. Decode (one row, eight experts, all
+//! resident) is thus one fused call per layer. The fence is unchanged: the
+//! wave's outputs are evaluated before the lease is released.
+//!
+//! `Auto` resolves to the stock path on a CPU device or a build without a
+//! fused backend, for formats the fused kernels do not handle and for larger
+//! batches; `Fused` is checked when the executor is built (an error names
+//! what is missing) and then used for every wave of at most
+//! `fused_max_rows` rows. Larger (prefill) batches always take the stock
+//! path. [`ExecutorTelemetry::fused_waves`] counts the waves that ran fused.
+//!
 //! All MLX work happens on the calling thread (the one driving MLX).
 
 use crate::experts::layout::{Projection, ProjectionFormat, ProjectionLayout};
 use crate::experts::{
     ExpertError, FileExpertSource, LeaseEntry, ResidencyManager, SlabStore, SlotLayout,
 };
+use crate::kernels::{ExpertSlot, FusedExperts, KernelError, KernelFamily, Path};
 use crate::mlx::{self, Array, Dtype, MlxError};
 use crate::moe::{BatchPlan, ExpertJob, MoeError, Routes};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// An error from the streamed executor. Every variant names the layer, and
 /// the expert or wave where one is involved.
@@ -104,6 +126,22 @@ pub enum ExecutorError {
         layer: u32,
         wave: usize,
         source: MlxError,
+    },
+    /// The requested kernel family cannot run this executor's experts (e.g.
+    /// `Fused` on a CPU device, in a build without a fused backend, or for a
+    /// format the fused kernels do not handle).
+    #[error("layer {layer}: kernel family {family:?}: {source}")]
+    KernelSetup {
+        layer: u32,
+        family: KernelFamily,
+        source: KernelError,
+    },
+    /// A fused expert computation failed.
+    #[error("layer {layer} wave {wave}: fused experts: {source}")]
+    Kernel {
+        layer: u32,
+        wave: usize,
+        source: KernelError,
     },
     /// An operation failed and releasing its lease failed too; the lease's
     /// slots are quarantined (never reused) rather than risked.
@@ -178,6 +216,27 @@ struct ExpertSpec {
     projections: [ProjectionLayout; 3],
     kernels: [ProjectionKernel; 3],
     data_bytes: u64,
+    slot_bytes: usize,
+}
+
+/// How a [`StreamedExecutor`] computes its experts (see the module docs,
+/// "Fused decode path").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExecutorOptions {
+    /// Stock MLX matmuls, the fused kernels, or the fused kernels where they
+    /// can run (`Auto`, the default).
+    pub kernel_family: KernelFamily,
+    /// Calls with more rows than this always take the stock path.
+    pub fused_max_rows: usize,
+}
+
+impl Default for ExecutorOptions {
+    fn default() -> Self {
+        Self {
+            kernel_family: KernelFamily::Auto,
+            fused_max_rows: crate::kernels::select::AUTO_MAX_ROWS,
+        }
+    }
 }
 
 /// Counters of the executor (cumulative since creation).
@@ -199,6 +258,8 @@ pub struct ExecutorTelemetry {
     pub bytes_read: u64,
     /// Expert tensor bytes the computations read from slots.
     pub weight_bytes: u64,
+    /// Waves computed by the fused kernels (the rest took the stock path).
+    pub fused_waves: u64,
 }
 
 /// Runs MoE layers with routed experts streamed through a [`ResidencyManager`].
@@ -207,6 +268,8 @@ pub struct StreamedExecutor {
     hidden: usize,
     specs: HashMap<(u32, u32), ExpertSpec>,
     telemetry: ExecutorTelemetry,
+    options: ExecutorOptions,
+    kernels: FusedExperts,
 }
 
 /// The slot layouts of `experts` experts of each of `layers` in `source`
@@ -232,11 +295,24 @@ impl StreamedExecutor {
     /// An executor over `manager` for experts of model width `hidden`, with
     /// the slot layout of every expert it may run. Each layout is checked to
     /// be a SwiGLU expert (`gate`/`up` `[inter, hidden]`, `down`
-    /// `[hidden, inter]`) that fits the manager's slots.
+    /// `[hidden, inter]`) that fits the manager's slots. Uses the default
+    /// [`ExecutorOptions`] (kernel family `Auto`).
     pub fn new(
         manager: ResidencyManager,
         hidden: usize,
         layouts: impl IntoIterator<Item = ((u32, u32), SlotLayout)>,
+    ) -> Result<Self> {
+        Self::with_options(manager, hidden, layouts, ExecutorOptions::default())
+    }
+
+    /// [`StreamedExecutor::new`] with explicit options. With kernel family
+    /// `Fused` this fails ([`ExecutorError::KernelSetup`]) unless the fused
+    /// kernels can run every registered layer's experts here.
+    pub fn with_options(
+        manager: ResidencyManager,
+        hidden: usize,
+        layouts: impl IntoIterator<Item = ((u32, u32), SlotLayout)>,
+        options: ExecutorOptions,
     ) -> Result<Self> {
         let slot_bytes = manager.store().slot_bytes();
         let mut specs = HashMap::new();
@@ -285,15 +361,56 @@ impl StreamedExecutor {
                         .projections
                         .map(|p| ProjectionKernel::for_format(&p.format)),
                     data_bytes: layout.data_bytes,
+                    slot_bytes: layout.slot_bytes,
                 },
             );
         }
+        let kernels = kernels_for(&specs, options)?;
         Ok(Self {
             manager,
             hidden,
             specs,
             telemetry: ExecutorTelemetry::default(),
+            options,
+            kernels,
         })
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> ExecutorOptions {
+        self.options
+    }
+
+    /// Replaces the options (e.g. to pin a kernel family in a bench). Checked
+    /// as in [`StreamedExecutor::with_options`]; on error nothing changes.
+    pub fn set_options(&mut self, options: ExecutorOptions) -> Result<()> {
+        self.kernels = kernels_for(&self.specs, options)?;
+        self.options = options;
+        Ok(())
+    }
+
+    /// The path a wave of `layer` over `experts` would take for a call with
+    /// `rows` rows: [`Path::Stock`] or [`Path::Fused`], or why `Fused` cannot
+    /// run it.
+    pub fn wave_path(&self, layer: u32, experts: &[u32], rows: usize) -> Result<Path> {
+        if rows > self.options.fused_max_rows || experts.is_empty() {
+            return Ok(Path::Stock);
+        }
+        let mut layouts = Vec::with_capacity(experts.len());
+        for &expert in experts {
+            let spec = self
+                .specs
+                .get(&(layer, expert))
+                .ok_or(ExecutorError::MissingLayout { layer, expert })?;
+            layouts.push(spec.projections);
+        }
+        self.kernels
+            .path_for_layouts(rows, &layouts)
+            .map_err(|source| ExecutorError::KernelSetup {
+                layer,
+                family: self.options.kernel_family,
+                source,
+            })
     }
 
     /// The residency manager (telemetry, budget, usage history).
@@ -400,6 +517,7 @@ impl StreamedExecutor {
         t.misses += stats.misses;
         t.bytes_read += stats.bytes_read;
         t.weight_bytes += stats.weight_bytes;
+        t.fused_waves += stats.fused_waves;
         Ok(out)
     }
 
@@ -488,13 +606,32 @@ impl StreamedExecutor {
         stats: &mut ExecutorTelemetry,
     ) -> Result<Array> {
         let ids: Vec<u32> = wave.iter().map(|j| j.expert).collect();
+        let rows = routes.rows();
+        let fused = match self.wave_path(layer, &ids, rows) {
+            Ok(Path::Fused(_)) => true,
+            Ok(Path::Stock) => false,
+            Err(ExecutorError::KernelSetup { source, .. }) => {
+                return Err(ExecutorError::Kernel {
+                    layer,
+                    wave: wave_index,
+                    source,
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        // Stock: one output per job (its rows, weighted). Fused: one `[rows,
+        // hidden]` weighted sum per batch of experts that became resident
+        // together.
         let mut outputs: Vec<Option<Array>> = vec![None; wave.len()];
+        let mut groups: Vec<Array> = Vec::new();
+        let mut computed = vec![false; wave.len()];
         let mut failure: Option<ExecutorError> = None;
         let specs = &self.specs;
-        let rows = routes.rows();
+        let kernels = &self.kernels;
         let acquired = self.manager.acquire(layer, &ids, |store, ready| {
             let submitted = (|| {
                 let mut built = Vec::with_capacity(ready.len() + 1);
+                let mut batch = Vec::with_capacity(ready.len());
                 for entry in ready {
                     let i = ids.iter().position(|&e| e == entry.expert).ok_or(
                         ExecutorError::Input {
@@ -509,12 +646,26 @@ impl StreamedExecutor {
                                 layer,
                                 expert: entry.expert,
                             })?;
-                    let y = expert_output(store, layer, entry, spec, &wave[i], x, routes, rows)?;
-                    outputs[i] = Some(y);
-                    built.push(i);
+                    if fused {
+                        batch.push((i, entry, spec));
+                    } else {
+                        let y =
+                            expert_output(store, layer, entry, spec, &wave[i], x, routes, rows)?;
+                        outputs[i] = Some(y);
+                        built.push(i);
+                    }
+                    computed[i] = true;
+                }
+                if !batch.is_empty() {
+                    let y =
+                        fused_group(kernels, store, layer, wave_index, &batch, wave, x, routes)?;
+                    groups.push(y);
                 }
                 let mut submit: Vec<&Array> =
                     built.iter().filter_map(|&i| outputs[i].as_ref()).collect();
+                if !batch.is_empty() {
+                    submit.extend(groups.last());
+                }
                 if let Some(s) = shared_pending.take() {
                     submit.push(s);
                 }
@@ -547,22 +698,39 @@ impl StreamedExecutor {
                 wave: wave_index,
                 source,
             };
-            let mut outs = Vec::with_capacity(wave.len());
-            for (job, out) in wave.iter().zip(&outputs) {
-                outs.push(out.as_ref().ok_or(ExecutorError::Input {
+            if let Some((job, _)) = wave.iter().zip(&computed).find(|(_, done)| !**done) {
+                return Err(ExecutorError::Input {
                     layer,
                     message: format!(
                         "wave {wave_index}: expert {} never became resident",
                         job.expert
                     ),
-                })?);
+                });
             }
-            let part = compose_wave(wave, &outs, rows, self.hidden, x.dtype()).map_err(wave_err)?;
+            let (part, mut fence) = if fused {
+                let mut sum: Option<Array> = None;
+                for g in &groups {
+                    sum = Some(match sum {
+                        Some(s) => s.add(g).map_err(wave_err)?,
+                        None => g.clone(),
+                    });
+                }
+                let part = match sum {
+                    Some(s) => s,
+                    None => mlx::zeros(&[rows as i32, self.hidden as i32], x.dtype())
+                        .map_err(wave_err)?,
+                };
+                (part, groups.iter().collect::<Vec<_>>())
+            } else {
+                let outs: Vec<&Array> = outputs.iter().flatten().collect();
+                let part =
+                    compose_wave(wave, &outs, rows, self.hidden, x.dtype()).map_err(wave_err)?;
+                (part, outs)
+            };
             let next = match acc {
                 Some(a) => a.add(&part).map_err(wave_err)?,
                 None => part,
             };
-            let mut fence = outs.clone();
             fence.push(&next);
             mlx::eval(&fence).map_err(wave_err)?;
             Ok(next)
@@ -571,6 +739,7 @@ impl StreamedExecutor {
         match (finished, released) {
             (Ok(next), Ok(())) => {
                 stats.waves += 1;
+                stats.fused_waves += u64::from(fused);
                 stats.experts_computed += wave.len() as u64;
                 stats.expert_rows += wave.iter().map(|j| j.rows.len() as u64).sum::<u64>();
                 stats.hits += entries.iter().filter(|e| e.hit).count() as u64;
@@ -601,6 +770,7 @@ impl std::fmt::Debug for StreamedExecutor {
             .field("hidden", &self.hidden)
             .field("experts", &self.specs.len())
             .field("telemetry", &self.telemetry)
+            .field("options", &self.options)
             .finish()
     }
 }
@@ -623,6 +793,105 @@ fn acquire_error(layer: u32, stashed: Option<ExecutorError>, e: ExpertError) -> 
         },
         (None, source) => ExecutorError::Residency { layer, source },
     }
+}
+
+/// The [`FusedExperts`] runner for `options`, checked against every layer's
+/// experts when the family is `Fused`.
+fn kernels_for(
+    specs: &HashMap<(u32, u32), ExpertSpec>,
+    options: ExecutorOptions,
+) -> Result<FusedExperts> {
+    let family = options.kernel_family;
+    let setup = |layer, source| ExecutorError::KernelSetup {
+        layer,
+        family,
+        source,
+    };
+    let first_layer = specs.keys().map(|&(l, _)| l).min().unwrap_or(0);
+    let kernels = FusedExperts::new(family).map_err(|e| setup(first_layer, e))?;
+    if family == KernelFamily::Fused && options.fused_max_rows > 0 {
+        let mut by_layer: BTreeMap<u32, Vec<[ProjectionLayout; 3]>> = BTreeMap::new();
+        for (&(layer, _), spec) in specs {
+            by_layer.entry(layer).or_default().push(spec.projections);
+        }
+        for (layer, layouts) in by_layer {
+            kernels
+                .path_for_layouts(1, &layouts)
+                .map_err(|e| setup(layer, e))?;
+        }
+    }
+    Ok(kernels)
+}
+
+/// One fused call over every row of `x` for the experts in `batch` (index
+/// in `wave`, lease entry, spec): `Σ_j w[:, j] · SwiGLU_j(x)`, with `w[r, j]`
+/// the routing weight of row `r` for the expert, zero where the row does not
+/// use it.
+#[allow(clippy::too_many_arguments)]
+fn fused_group(
+    kernels: &FusedExperts,
+    store: &SlabStore,
+    layer: u32,
+    wave_index: usize,
+    batch: &[(usize, &LeaseEntry, &ExpertSpec)],
+    wave: &[ExpertJob],
+    x: &Array,
+    routes: &Routes,
+) -> Result<Array> {
+    let rows = routes.rows();
+    let n = batch.len();
+    let mut w = vec![0f32; rows * n];
+    let mut views = Vec::with_capacity(n);
+    for (j, &(i, entry, spec)) in batch.iter().enumerate() {
+        let expert = entry.expert;
+        let job = &wave[i];
+        for (&r, &k) in job.rows.iter().zip(&job.ranks) {
+            let weight = routes
+                .weights(r as usize)
+                .get(k as usize)
+                .copied()
+                .ok_or_else(|| ExecutorError::Input {
+                    layer,
+                    message: format!("expert {expert}: row {r} has no rank {k}"),
+                })?;
+            let cell = w
+                .get_mut(r as usize * n + j)
+                .ok_or_else(|| ExecutorError::Input {
+                    layer,
+                    message: format!("expert {expert}: row {r} out of range"),
+                })?;
+            *cell = weight;
+        }
+        let len = i32::try_from(spec.slot_bytes).map_err(|_| ExecutorError::Layout {
+            layer,
+            expert,
+            message: format!("{} slot bytes exceed i32", spec.slot_bytes),
+        })?;
+        let bytes = store
+            .view(entry.handle, 0, &[len], Dtype::Uint8)
+            .map_err(|source| ExecutorError::Slot {
+                layer,
+                expert,
+                source,
+            })?;
+        views.push(bytes);
+    }
+    let slots: Vec<ExpertSlot<'_>> = views
+        .iter()
+        .zip(batch)
+        .map(|(bytes, (_, _, spec))| ExpertSlot {
+            bytes,
+            projections: &spec.projections,
+        })
+        .collect();
+    let kernel_err = |source| ExecutorError::Kernel {
+        layer,
+        wave: wave_index,
+        source,
+    };
+    let weights = Array::from_slice(&w, &[rows as i32, n as i32])
+        .map_err(|e| kernel_err(KernelError::Mlx(e)))?;
+    kernels.forward(x, &slots, &weights).map_err(kernel_err)
 }
 
 /// `w ⊙ down(silu(gate·x_e) ⊙ up·x_e)` for the rows of `job`, from the slot.

@@ -20,13 +20,14 @@
 use glm_stream::container::ColibriContainer;
 use glm_stream::convert::{Bits, ConvertOptions, convert_checkpoint};
 use glm_stream::executor::{
-    ExecutorError, ProjectionKernel, StreamedExecutor, layouts_from_source,
+    ExecutorError, ExecutorOptions, ProjectionKernel, StreamedExecutor, layouts_from_source,
 };
 use glm_stream::experts::{
     DirectUpload, ExpertError, ExpertSource, FileExpertSource, PolicyConfig, ResidencyManager,
     SlabConfig,
 };
-use glm_stream::mlx::Array;
+use glm_stream::kernels::{Environment, FusedGeometry, KernelError, KernelFamily, Path, select};
+use glm_stream::mlx::{self, Array, Device};
 use glm_stream::moe::{BatchPlan, Routes};
 use glm_stream::tiny::{SourceDtype, TinyModelSpec, generate_hf_checkpoint};
 use rand::seq::index::sample;
@@ -98,6 +99,14 @@ impl ExpertSource for Flaky {
 }
 
 fn executor(m: &Model, slots: usize) -> (StreamedExecutor, Arc<Flaky>) {
+    executor_with(m, slots, ExecutorOptions::default()).unwrap()
+}
+
+fn executor_with(
+    m: &Model,
+    slots: usize,
+    options: ExecutorOptions,
+) -> Result<(StreamedExecutor, Arc<Flaky>), ExecutorError> {
     let layers = [MOE_LAYER, MTP_LAYER];
     let source = FileExpertSource::from_container(&m.c, &layers, true).unwrap();
     let layouts = layouts_from_source(&source, &layers, EXPERTS).unwrap();
@@ -115,10 +124,10 @@ fn executor(m: &Model, slots: usize) -> (StreamedExecutor, Arc<Flaky>) {
         2,
     )
     .unwrap();
-    (
-        StreamedExecutor::new(manager, HIDDEN, layouts).unwrap(),
+    Ok((
+        StreamedExecutor::with_options(manager, HIDDEN, layouts, options)?,
         flaky,
-    )
+    ))
 }
 
 fn random_batch(rows: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Routes) {
@@ -235,6 +244,17 @@ fn reference(
 /// Runs one batch through `ex` and checks it against the reference; returns
 /// the largest `error / mag`.
 fn check_batch(m: &Model, ex: &mut StreamedExecutor, layer: u32, rows: usize, seed: u64) -> f64 {
+    check_batch_output(m, ex, layer, rows, seed).0
+}
+
+/// [`check_batch`], also returning the streamed output and the magnitudes.
+fn check_batch_output(
+    m: &Model,
+    ex: &mut StreamedExecutor,
+    layer: u32,
+    rows: usize,
+    seed: u64,
+) -> (f64, Vec<f32>, Vec<f64>) {
     let (x, shared, routes) = random_batch(rows, seed);
     let (want, mag) = reference(&m.c, layer, &x, &shared, &routes);
     let xa = Array::from_slice(&x, &[rows as i32, HIDDEN as i32]).unwrap();
@@ -262,7 +282,7 @@ fn check_batch(m: &Model, ex: &mut StreamedExecutor, layer: u32, rows: usize, se
     eprintln!(
         "layer {layer} rows {rows}: max|ref| {scale:e}, max mag {mag_max:e}, max error {err_max:e}"
     );
-    worst
+    (worst, got, mag)
 }
 
 fn open_leases(ex: &StreamedExecutor) -> usize {
@@ -404,4 +424,180 @@ fn bad_inputs_are_refused_before_any_lease() {
     // Without a shared output the result is the routed sum alone.
     let out = ex.forward(MOE_LAYER, &xa, &plan, None).unwrap();
     assert_eq!(out.shape(), vec![2, HIDDEN as i32]);
+}
+
+fn gpu_fused_available() -> bool {
+    let e = Environment::current();
+    e.fused_backend.is_some() && e.gpu_default
+}
+
+#[test]
+fn tiny_model_layouts_fit_the_fused_kernels() {
+    // The GPU test below needs the converted tiny model's slots to meet the
+    // fused kernels' requirements (alignment, widths, group sizes); checked
+    // here on the CPU with the pure planner.
+    for group_size in [64, 0] {
+        let m = model(group_size);
+        let layers = [MOE_LAYER, MTP_LAYER];
+        let source = FileExpertSource::from_container(&m.c, &layers, true).unwrap();
+        for layer in layers {
+            let layouts: Vec<_> = layouts_from_source(&source, &[layer], EXPERTS)
+                .unwrap()
+                .into_iter()
+                .map(|(_, l)| l.projections)
+                .collect();
+            let plan = FusedGeometry::plan(&layouts, select::CUDA_SHARED_BYTES);
+            assert!(plan.is_ok(), "group {group_size} layer {layer}: {plan:?}");
+        }
+    }
+    // g48 (a partial last group) is not for the fused kernels.
+    let m = model(48);
+    let source = FileExpertSource::from_container(&m.c, &[MOE_LAYER], true).unwrap();
+    let layouts: Vec<_> = layouts_from_source(&source, &[MOE_LAYER], EXPERTS)
+        .unwrap()
+        .into_iter()
+        .map(|(_, l)| l.projections)
+        .collect();
+    assert!(FusedGeometry::plan(&layouts, select::CUDA_SHARED_BYTES).is_err());
+}
+
+#[test]
+fn fused_family_is_checked_and_auto_picks_stock_off_the_gpu() {
+    let m = model(64);
+    let fused = ExecutorOptions {
+        kernel_family: KernelFamily::Fused,
+        ..ExecutorOptions::default()
+    };
+    if gpu_fused_available() {
+        // On the GPU `Fused` builds, and refuses a format it cannot run.
+        assert!(executor_with(&m, 3, fused).is_ok());
+        let g48 = model(48);
+        let err = executor_with(&g48, 3, fused).err().expect("g48 refused");
+        assert!(
+            matches!(
+                &err,
+                ExecutorError::KernelSetup {
+                    family: KernelFamily::Fused,
+                    source: KernelError::Unsupported { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    } else {
+        // Off the GPU, pinning `Fused` is a clear error at construction...
+        let err = executor_with(&m, 3, fused).err().expect("Fused refused");
+        assert!(
+            matches!(
+                &err,
+                ExecutorError::KernelSetup {
+                    family: KernelFamily::Fused,
+                    source: KernelError::FusedUnavailable { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("fused expert kernels unavailable"),
+            "{err}"
+        );
+        // ...and so is switching an existing executor to it (nothing changes).
+        let (mut ex, _) = executor(&m, 3);
+        assert!(ex.set_options(fused).is_err());
+        assert_eq!(ex.options(), ExecutorOptions::default());
+    }
+    // `Auto` (the default) and `Stock`: decode-sized calls take the stock
+    // path off the GPU (and the fused one on it), larger ones always stock.
+    for family in [KernelFamily::Auto, KernelFamily::Stock] {
+        let options = ExecutorOptions {
+            kernel_family: family,
+            ..ExecutorOptions::default()
+        };
+        let (mut ex, _) = executor_with(&m, 3, options).unwrap();
+        let fused_expected = family == KernelFamily::Auto && gpu_fused_available();
+        let decode = ex.wave_path(MOE_LAYER, &[0, 1, 2], 1).unwrap();
+        assert_eq!(
+            matches!(decode, Path::Fused(_)),
+            fused_expected,
+            "{family:?}"
+        );
+        let big = options.fused_max_rows + 1;
+        assert_eq!(ex.wave_path(MOE_LAYER, &[0, 1], big).unwrap(), Path::Stock);
+        check_batch(&m, &mut ex, MOE_LAYER, 1, 21);
+        let t = ex.telemetry();
+        assert!(t.waves >= 2);
+        if fused_expected {
+            assert_eq!(t.fused_waves, t.waves);
+        } else {
+            assert_eq!(t.fused_waves, 0, "{family:?} ran fused off the GPU");
+        }
+        assert_eq!(open_leases(&ex), 0);
+    }
+}
+
+/// The executor on the fused path against the same reference and against
+/// the stock path (run on the CPU device, where MLX has every small-shape
+/// kernel): int4 g64 and per-row, the int8 MTP layer, 1–5 rows, several
+/// waves per call (3 slots < top-4), hits and misses. Same tolerance as the
+/// stock tests: `|fused − reference| ≤ 4·10⁻⁵ · mag`, hence
+/// `|fused − stock| ≤ 8·10⁻⁵ · mag`. Skipped without a fused backend on a
+/// GPU default device.
+#[test]
+fn fused_executor_matches_stock_and_reference_on_the_gpu() {
+    if !gpu_fused_available() {
+        eprintln!("no fused backend on a GPU default device: executor GPU test skipped");
+        return;
+    }
+    let fused = ExecutorOptions {
+        kernel_family: KernelFamily::Fused,
+        fused_max_rows: 8,
+    };
+    let stock = ExecutorOptions {
+        kernel_family: KernelFamily::Stock,
+        ..ExecutorOptions::default()
+    };
+    for group_size in [64, 0] {
+        let m = model(group_size);
+        let (mut ef, _) = executor_with(&m, 3, fused).unwrap();
+        let mut worst = (0f64, 0f64);
+        for (layer, rows, seed) in [
+            (MOE_LAYER, 1, 31),
+            (MOE_LAYER, 1, 31),
+            (MOE_LAYER, 3, 32),
+            (MOE_LAYER, 5, 33),
+            (MTP_LAYER, 1, 34),
+            (MTP_LAYER, 4, 35),
+        ] {
+            let before = ef.telemetry().clone();
+            let (wf, yf, mag) = check_batch_output(&m, &mut ef, layer, rows, seed);
+            let t = ef.telemetry();
+            assert!(t.waves - before.waves >= 2);
+            assert_eq!(t.fused_waves - before.fused_waves, t.waves - before.waves);
+            assert_eq!(open_leases(&ef), 0);
+            // The stock executor on the CPU device, same batch.
+            mlx::set_default_device(Device::Cpu).unwrap();
+            let ys = {
+                let (mut es, _) = executor_with(&m, 3, stock).unwrap();
+                check_batch_output(&m, &mut es, layer, rows, seed).1
+            };
+            mlx::set_default_device(Device::Gpu).unwrap();
+            let mut diff = 0f64;
+            for (i, ((&f, &s), &mg)) in yf.iter().zip(&ys).zip(&mag).enumerate() {
+                let d = (f64::from(f) - f64::from(s)).abs();
+                assert!(
+                    d <= 2.0 * TOLERANCE * mg,
+                    "group {group_size} layer {layer} rows {rows} element {i}: fused {f}, stock {s}"
+                );
+                diff = diff.max(d / mg);
+            }
+            worst = (worst.0.max(wf), worst.1.max(diff));
+        }
+        eprintln!(
+            "group size {group_size}: fused executor worst error/mag vs reference {:e}, vs stock {:e}; telemetry {:?}",
+            worst.0,
+            worst.1,
+            ef.telemetry()
+        );
+    }
 }

@@ -1,11 +1,18 @@
 //! The fused path: builds, caches and launches the two kernels.
 //!
 //! K1 (gate/up + SwiGLU) takes `x` `[m, H]`, the per-expert slot offsets
-//! `[E, 6]` and the `E` slot byte arrays, and writes `h` `[E, m, I]`. K2
-//! (down + weighted sum) takes `h`, the weights `[m, E']`, offsets and slots
-//! of up to `E'` experts (as many as fit `h` in shared memory) and writes
-//! `y` `[m, H]`; groups of experts beyond that are summed with MLX adds.
+//! `[E, 6]` and the `E` slot byte arrays, and writes `h` `[E, m, I]`.
+//!
+//! K2 (down + weighted sum) differs per backend. CUDA: one block row per
+//! expert (`blockIdx.y`), each staging only its expert's `h`, the experts'
+//! weighted outputs meeting in the zero-filled `y` `[m, H]` through atomic
+//! adds (any number of experts per launch). Metal: every expert in each
+//! threadgroup, `h` of up to `E'` experts staged (as many as fit), groups
+//! beyond that summed with MLX adds.
+//!
 //! Rows beyond [`FusedGeometry::rows_per_launch`] are split into launches.
+//! The CUDA kernels' rows per warp and chunks per step come from a
+//! [`FusedTuning`].
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -21,10 +28,68 @@ use super::{ExpertSlot, KernelError, Result};
 /// Threads per block / threadgroup: 8 warps (simdgroups) of 32.
 const THREADS: i32 = 256;
 const WARPS: i32 = THREADS / 32;
-/// Intermediate rows per warp in K1 (gate and up each).
-const GATE_UP_ROWS: i32 = 4;
-/// Output rows per warp in K2.
-const DOWN_ROWS: i32 = 2;
+/// Intermediate rows per warp in the Metal K1 (gate and up each).
+const METAL_GATE_UP_ROWS: u32 = 4;
+/// Output rows per warp in the Metal K2.
+const METAL_DOWN_ROWS: u32 = 2;
+
+/// Launch shape of the CUDA kernels: rows per warp and 16-byte chunks per
+/// lane and step (loads in flight per lane: `2 · rows · unroll` in K1,
+/// `rows · unroll` in K2). Each value is 1, 2 or 4.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FusedTuning {
+    /// K1: intermediate rows per warp (gate and up each).
+    pub gate_up_rows: u32,
+    /// K1: chunks per lane and step.
+    pub gate_up_unroll: u32,
+    /// K2: output rows per warp.
+    pub down_rows: u32,
+    /// K2: chunks per lane and step.
+    pub down_unroll: u32,
+}
+
+impl FusedTuning {
+    /// The default for `rows` input rows, from the H200 sweep of
+    /// benches/RESULTS.md (16 layers of 8 GLM-5.2 experts per eval): one row
+    /// per warp in K1 at M = 1 (the most blocks), four from M = 3 on (each
+    /// decoded weight serves more products); four rows per warp in K2 up to
+    /// M = 4, two beyond (registers). Two chunks per step never helped by
+    /// more than the noise.
+    pub fn for_rows(rows: usize) -> Self {
+        let (gate_up_rows, down_rows) = match rows {
+            0 | 1 => (1, 4),
+            2 => (2, 2),
+            3 | 4 => (4, 4),
+            _ => (4, 2),
+        };
+        Self {
+            gate_up_rows,
+            gate_up_unroll: 1,
+            down_rows,
+            down_unroll: 1,
+        }
+    }
+
+    /// Checks every value is 1, 2 or 4.
+    pub fn check(&self) -> Result<()> {
+        let ok = |v: u32| matches!(v, 1 | 2 | 4);
+        if [
+            self.gate_up_rows,
+            self.gate_up_unroll,
+            self.down_rows,
+            self.down_unroll,
+        ]
+        .into_iter()
+        .all(ok)
+        {
+            Ok(())
+        } else {
+            Err(KernelError::Input(format!(
+                "fused tuning {self:?}: every value must be 1, 2 or 4"
+            )))
+        }
+    }
+}
 
 /// The kernel texts of one backend.
 pub(super) struct KernelSources {
@@ -113,17 +178,21 @@ fn int(name: &str, v: usize) -> Result<(String, TemplateArg)> {
     Ok((name.to_string(), TemplateArg::Int(v)))
 }
 
-/// Template arguments shared by both stages.
+/// Template arguments shared by both stages (`UNROLL` is read by the CUDA
+/// kernels only).
+#[allow(clippy::too_many_arguments)]
 fn template(
     g: &FusedGeometry,
     experts: usize,
     rows: usize,
     stage: Stage,
     smem_floats: usize,
+    rows_per_warp: u32,
+    unroll: u32,
 ) -> Result<Vec<(String, TemplateArg)>> {
-    let (f, rows_per_warp) = match stage {
-        Stage::GateUp => (g.gate_up, GATE_UP_ROWS),
-        Stage::Down => (g.down, DOWN_ROWS as _),
+    let f = match stage {
+        Stage::GateUp => g.gate_up,
+        Stage::Down => g.down,
     };
     Ok(vec![
         int("EXPERTS", experts)?,
@@ -133,6 +202,7 @@ fn template(
         int("BITS", usize::from(f.bits))?,
         int("GROUP", f.group_size.map_or(0, |v| v as usize))?,
         int("ROWS", rows_per_warp as usize)?,
+        int("UNROLL", unroll as usize)?,
         int("SMEM_FLOATS", smem_floats)?,
     ])
 }
@@ -152,12 +222,20 @@ fn gate_up(
     cache: &Cache,
     backend: KernelBackend,
     g: &FusedGeometry,
+    tuning: &FusedTuning,
     x: &Array,
     offs: &Array,
     slots: &[&Array],
 ) -> Result<Array> {
     let (experts, rows) = (slots.len(), x.dim(0)? as usize);
-    let floats = rows * staged_floats(g.hidden, g.gate_up.bits);
+    let (floats, rows_per_warp, unroll) = match backend {
+        KernelBackend::Cuda => (rows * g.hidden, tuning.gate_up_rows, tuning.gate_up_unroll),
+        KernelBackend::Metal => (
+            rows * staged_floats(g.hidden, g.gate_up.bits),
+            METAL_GATE_UP_ROWS,
+            1,
+        ),
+    };
     let k = kernel(
         cache,
         backend,
@@ -171,9 +249,21 @@ fn gate_up(
     let mut inputs: Vec<&Array> = vec![x, offs];
     inputs.extend_from_slice(slots);
     let launch = LaunchConfig {
-        grid: [blocks(g.inter, WARPS * GATE_UP_ROWS)?, experts as i32, 1],
+        grid: [
+            blocks(g.inter, WARPS * rows_per_warp as i32)?,
+            experts as i32,
+            1,
+        ],
         threadgroup: [THREADS, 1, 1],
-        template: template(g, experts, rows, Stage::GateUp, floats)?,
+        template: template(
+            g,
+            experts,
+            rows,
+            Stage::GateUp,
+            floats,
+            rows_per_warp,
+            unroll,
+        )?,
         init_value: None,
     };
     let out = OutputSpec {
@@ -184,17 +274,28 @@ fn gate_up(
 }
 
 /// K2: `y [m, H]` from `h` (`[E, m, I]`) and weights (`[m, E]`, f32).
+#[allow(clippy::too_many_arguments)]
 fn down(
     cache: &Cache,
     backend: KernelBackend,
     g: &FusedGeometry,
+    tuning: &FusedTuning,
     h: &Array,
     weights: &Array,
     offs: &Array,
     slots: &[&Array],
 ) -> Result<Array> {
     let (experts, rows) = (slots.len(), weights.dim(0)? as usize);
-    let floats = experts * rows * staged_floats(g.inter, g.down.bits);
+    let cuda = backend == KernelBackend::Cuda;
+    let (floats, rows_per_warp, unroll) = if cuda {
+        (rows * g.inter, tuning.down_rows, tuning.down_unroll)
+    } else {
+        (
+            experts * rows * staged_floats(g.inter, g.down.bits),
+            METAL_DOWN_ROWS,
+            1,
+        )
+    };
     let k = kernel(
         cache,
         backend,
@@ -208,10 +309,15 @@ fn down(
     let mut inputs: Vec<&Array> = vec![h, weights, offs];
     inputs.extend_from_slice(slots);
     let launch = LaunchConfig {
-        grid: [blocks(g.hidden, WARPS * DOWN_ROWS)?, 1, 1],
+        grid: [
+            blocks(g.hidden, WARPS * rows_per_warp as i32)?,
+            if cuda { experts as i32 } else { 1 },
+            1,
+        ],
         threadgroup: [THREADS, 1, 1],
-        template: template(g, experts, rows, Stage::Down, floats)?,
-        init_value: None,
+        template: template(g, experts, rows, Stage::Down, floats, rows_per_warp, unroll)?,
+        // CUDA: the experts add into a zero-filled output.
+        init_value: cuda.then_some(0.0),
     };
     let out = OutputSpec {
         shape: vec![rows as i32, g.hidden as i32],
@@ -221,10 +327,12 @@ fn down(
 }
 
 /// The fused forward (inputs already checked, geometry planned).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     cache: &Cache,
     backend: KernelBackend,
     g: &FusedGeometry,
+    tuning: Option<&FusedTuning>,
     x: &Array,
     experts: &[ExpertSlot<'_>],
     weights: &Array,
@@ -264,19 +372,23 @@ pub(super) fn forward(
                 w32.slice(&[r0, 0], &[r1, n], &[1, 1])?,
             )
         };
-        let h = gate_up(cache, backend, g, &xc, &offs, &slots)?;
-        let per = g.experts_per_down(m);
+        let t = tuning.copied().unwrap_or_else(|| FusedTuning::for_rows(m));
+        let h = gate_up(cache, backend, g, &t, &xc, &offs, &slots)?;
+        let per = match backend {
+            KernelBackend::Cuda => experts.len(),
+            KernelBackend::Metal => g.experts_per_down(m),
+        };
         let mut y: Option<Array> = None;
         for e0 in (0..experts.len()).step_by(per) {
             let e1 = (e0 + per).min(experts.len());
             let part = if e0 == 0 && e1 == experts.len() {
-                down(cache, backend, g, &h, &wc, &offs, &slots)?
+                down(cache, backend, g, &t, &h, &wc, &offs, &slots)?
             } else {
                 let (a, b) = (e0 as i32, e1 as i32);
                 let hg = h.slice(&[a, 0, 0], &[b, m as i32, g.inter as i32], &[1, 1, 1])?;
                 let wg = wc.slice(&[0, a], &[m as i32, b], &[1, 1])?;
                 let og = offs.slice(&[a, 0], &[b, 6], &[1, 1])?;
-                down(cache, backend, g, &hg, &wg, &og, &slots[e0..e1])?
+                down(cache, backend, g, &t, &hg, &wg, &og, &slots[e0..e1])?
             };
             y = Some(match y {
                 Some(acc) => acc.add(&part)?,

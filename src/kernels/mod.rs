@@ -23,16 +23,22 @@
 //!   affine, exactly as the streamed executor does), then the weighted sum.
 //! * **Fused** ([`Path::Fused`]): two custom kernels. K1 (`swiglu_gate_up.cu`)
 //!   runs gate and up of all experts in one launch (one expert per
-//!   `blockIdx.y`, 8 warps × 4 rows per block), streaming 16-byte chunks of
-//!   the weights with `x` staged in shared memory, and writes
-//!   `h = silu(g)·u` (f32 `[E, M, I]`). K2 (`swiglu_down.cu`) stages `h` in
-//!   shared memory and runs every expert's down projection and the weighted
-//!   sum (8 warps × 2 output rows per block). Accumulation is f32; int4 is
+//!   `blockIdx.y`, 8 warps × R rows per block), streaming 16-byte chunks of
+//!   the weights (`ld.global.nc`, not kept in L1) with `x` staged in shared
+//!   memory as float4s, and writes `h = silu(g)·u` (f32 `[E, M, I]`). Each
+//!   weight word is decoded once and used for all M rows and each staged
+//!   `x` word once for all 2R weight rows. K2 (`swiglu_down.cu`) runs one
+//!   expert per `blockIdx.y`, stages only that expert's `h` and adds its
+//!   routing-weighted down projection into the zero-filled `y` with atomic
+//!   adds (so the order of the sum over experts is not fixed: results may
+//!   differ in the last bits from run to run). Accumulation is f32; int4 is
 //!   `(n − 8)·scale` (group scales applied per 32-column chunk, per-row
-//!   scales at the end), int8 is `q·scale` per row. The CUDA sources are
-//!   compiled by MLX (NVRTC) on first use and cached per (stage, E, M,
-//!   format, dims); the Metal twin (`*.metal`) is a line-for-line
-//!   translation, **untested** (no Mac).
+//!   scales at the end), int8 is `q·scale` per row. Rows per warp and chunks
+//!   per step come from [`FusedTuning`] (per row count, measured on the
+//!   H200). The CUDA sources are compiled by MLX (NVRTC) on first use and
+//!   cached per (stage, E, M, format, dims, launch shape); the Metal twin
+//!   (`*.metal`) keeps the earlier design (K2 over all experts per
+//!   threadgroup, no tuning) and is **untested** (no Mac).
 //!
 //! [`KernelFamily`] pins a path: `Stock`, `Fused` (an error when this build
 //! or device cannot run it, never a silent fallback) or `Auto` (fused on a
@@ -62,6 +68,7 @@ use crate::experts::SlotLayout;
 use crate::experts::layout::ProjectionLayout;
 use crate::mlx::{Array, Dtype, MlxError};
 
+pub use fused::FusedTuning;
 pub use select::{Environment, FusedGeometry, Path};
 
 /// An error from the expert kernels.
@@ -142,6 +149,7 @@ pub struct FusedExperts {
     family: KernelFamily,
     environment: Environment,
     kernels: RefCell<HashMap<fused::KernelKey, std::rc::Rc<crate::mlx::Kernel>>>,
+    tuning: Option<FusedTuning>,
 }
 
 impl FusedExperts {
@@ -165,7 +173,23 @@ impl FusedExperts {
             family,
             environment,
             kernels: RefCell::new(HashMap::new()),
+            tuning: None,
         })
+    }
+
+    /// Pins the CUDA kernels' launch shape (`None`: [`FusedTuning::for_rows`]
+    /// per launch). For benches; the Metal kernels ignore it.
+    pub fn with_tuning(mut self, tuning: Option<FusedTuning>) -> Result<Self> {
+        if let Some(t) = &tuning {
+            t.check()?;
+        }
+        self.tuning = tuning;
+        Ok(self)
+    }
+
+    /// The pinned launch shape, if any.
+    pub fn tuning(&self) -> Option<FusedTuning> {
+        self.tuning
     }
 
     /// The requested family.
@@ -182,7 +206,13 @@ impl FusedExperts {
     /// or why `Fused` cannot run it.
     pub fn path(&self, rows: usize, experts: &[ExpertSlot<'_>]) -> Result<Path> {
         let layouts: Vec<[ProjectionLayout; 3]> = experts.iter().map(|e| *e.projections).collect();
-        let geometry = self.geometry(&layouts);
+        self.path_for_layouts(rows, &layouts)
+    }
+
+    /// [`FusedExperts::path`] from the experts' slot layouts alone (gate, up,
+    /// down of each), before any slot is viewed.
+    pub fn path_for_layouts(&self, rows: usize, layouts: &[[ProjectionLayout; 3]]) -> Result<Path> {
+        let geometry = self.geometry(layouts);
         select::select(self.family, &self.environment, rows, &geometry)
     }
 
@@ -207,7 +237,15 @@ impl FusedExperts {
             Path::Stock => stock::forward(x, experts, weights),
             Path::Fused(backend) => {
                 let geometry = geometry.map_err(|reason| KernelError::Unsupported { reason })?;
-                fused::forward(&self.kernels, backend, &geometry, x, experts, weights)
+                fused::forward(
+                    &self.kernels,
+                    backend,
+                    &geometry,
+                    self.tuning.as_ref(),
+                    x,
+                    experts,
+                    weights,
+                )
             }
         }
     }
@@ -218,6 +256,7 @@ impl std::fmt::Debug for FusedExperts {
         f.debug_struct("FusedExperts")
             .field("family", &self.family)
             .field("environment", &self.environment)
+            .field("tuning", &self.tuning)
             .field("cached_kernels", &self.kernels.borrow().len())
             .finish()
     }

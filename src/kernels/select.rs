@@ -13,9 +13,10 @@ use super::{KernelError, KernelFamily};
 
 /// `Auto` uses the fused kernels for at most this many input rows (decode
 /// and MTP verification batches); larger batches go to MLX's matmuls. On the
-/// H200 the fused layer was 3.05× stock at 1 row, 1.95× at 4 and 0.88× at 8
-/// (benches/RESULTS.md, `fused_experts`).
-pub const AUTO_MAX_ROWS: usize = 4;
+/// H200, since each weight is decoded once for all rows, the fused layer is
+/// 3.1–3.9× stock at 1 row, 3.3× at 4 and 1.2× at 8 per single-layer eval
+/// (benches/RESULTS.md, `fused_experts`, 2026-11-30 kernels2).
+pub const AUTO_MAX_ROWS: usize = 8;
 /// Most input rows one fused launch takes (the kernels keep `rows × 8`
 /// accumulators per lane in registers); more rows are split into launches.
 pub const MAX_ROWS_PER_LAUNCH: usize = 8;

@@ -1,24 +1,22 @@
-// K2: y[m, n] = sum_e wts[m, e] * (down_e[n] . h[e, m]).
-// Block = 8 warps, each warp ROWS output rows; the experts are looped.
-// Template ints: EXPERTS, TOKENS, HIDDEN, INTER, BITS, GROUP (0 = one scale per row), ROWS.
-// Inputs: h f32 [EXPERTS, TOKENS, INTER], wts f32 [TOKENS, EXPERTS], offs i32 [EXPERTS, 6], e0.. slot bytes.
-// Output: y f32 [TOKENS, HIDDEN]. `slots` is declared by the generated prologue.
-// Dynamic shared memory: EXPERTS * TOKENS * CPC * (NCH + 1) floats.
+// K2: y[m, n] += wts[m, e] * (down_e[n] . h[e, m]) for expert e = blockIdx.y.
+// Block = 8 warps, each warp ROWS output rows of one expert; the experts'
+// contributions meet in `y` through atomic adds (MLX zero-fills `y` first),
+// so the order of that sum over experts is not fixed.
+// Template ints: EXPERTS, TOKENS, HIDDEN, INTER, BITS, GROUP (0 = one scale
+// per row), ROWS, UNROLL.
+// Inputs: h f32 [EXPERTS, TOKENS, INTER], wts f32 [TOKENS, EXPERTS], offs i32
+// [EXPERTS, 6], e0.. slot bytes. Output: y f32 [TOKENS, HIDDEN]. `slots` is
+// declared by the generated prologue. Dynamic shared memory: TOKENS * INTER
+// floats (this expert's h, see glm_stage).
 constexpr int CPC = 128 / BITS;
 constexpr int NCH = INTER / CPC;
-constexpr int NCHP = NCH + 1;
 constexpr int ROW_BYTES = INTER * BITS / 8;
 constexpr int GPR = GROUP > 0 ? INTER / GROUP : 1;
 constexpr int CPG = GROUP > 0 ? GROUP / CPC : 1;
 
-extern __shared__ float glm_hs[];
-for (int idx = threadIdx.x; idx < EXPERTS * TOKENS * INTER; idx += blockDim.x) {
-  const int em = idx / INTER;
-  const int col = idx - em * INTER;
-  const int ch = col / CPC;
-  const int j = col - ch * CPC;
-  glm_hs[(em * CPC + j) * NCHP + ch] = h[idx];
-}
+extern __shared__ float4 glm_hs[];
+const int e = blockIdx.y;
+glm_stage<TOKENS, INTER, CPC>(h + static_cast<size_t>(e) * TOKENS * INTER, glm_hs);
 __syncthreads();
 
 const int warp = threadIdx.x / 32;
@@ -27,6 +25,9 @@ const int row0 = (blockIdx.x * (blockDim.x / 32) + warp) * ROWS;
 if (row0 >= HIDDEN) {
   return;
 }
+const int* off = offs + e * 6;
+const uint8_t* dw = slots[e] + off[4];
+const float* ds = reinterpret_cast<const float*>(slots[e] + off[5]);
 int rows[ROWS];
 #pragma unroll
 for (int r = 0; r < ROWS; ++r) {
@@ -41,62 +42,55 @@ for (int r = 0; r < ROWS; ++r) {
   }
 }
 
+for (int c0 = 0; c0 < NCH; c0 += 32 * UNROLL) {
+  uint4 q[UNROLL][ROWS];
+  float s[UNROLL][ROWS];
 #pragma unroll
-for (int e = 0; e < EXPERTS; ++e) {
-  const int* off = offs + e * 6;
-  const uint8_t* dw = slots[e] + off[4];
-  const float* ds = reinterpret_cast<const float*>(slots[e] + off[5]);
-  float part[ROWS][TOKENS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int m = 0; m < TOKENS; ++m) {
-      part[r][m] = 0.0f;
-    }
-  }
-  for (int ch = lane; ch < NCH; ch += 32) {
-    uint4 q[ROWS];
-    float s[ROWS];
+  for (int u = 0; u < UNROLL; ++u) {
+    const int ch = c0 + 32 * u + lane;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      q[r] = __ldg(reinterpret_cast<const uint4*>(
-          dw + static_cast<size_t>(rows[r]) * ROW_BYTES + ch * 16));
-      if constexpr (GROUP > 0) {
-        s[r] = __ldg(ds + rows[r] * GPR + ch / CPG);
+      if (ch < NCH) {
+        q[u][r] = glm_load_chunk(dw + static_cast<size_t>(rows[r]) * ROW_BYTES + ch * 16);
+        s[u][r] = GROUP > 0 ? __ldg(ds + rows[r] * GPR + ch / CPG) : 1.0f;
       } else {
-        s[r] = 1.0f;
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < TOKENS; ++m) {
-      float hv[CPC];
-#pragma unroll
-      for (int j = 0; j < CPC; ++j) {
-        hv[j] = glm_hs[((e * TOKENS + m) * CPC + j) * NCHP + ch];
-      }
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        part[r][m] = fmaf(glm_chunk_dot<BITS>(q[r], hv), s[r], part[r][m]);
+        q[u][r] = make_uint4(0u, 0u, 0u, 0u);
+        s[u][r] = 0.0f;
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const float rs = GROUP == 0 ? ds[rows[r]] : 1.0f;
+  for (int u = 0; u < UNROLL; ++u) {
+    const int ch = c0 + 32 * u + lane;
+    if (ch < NCH) {
+      float p[ROWS][TOKENS];
 #pragma unroll
-    for (int m = 0; m < TOKENS; ++m) {
-      acc[r][m] = fmaf(part[r][m], rs * wts[m * EXPERTS + e], acc[r][m]);
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int m = 0; m < TOKENS; ++m) {
+          p[r][m] = 0.0f;
+        }
+      }
+      glm_chunk_dots<BITS, TOKENS, NCH, ROWS>(q[u], glm_hs, ch, p);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int m = 0; m < TOKENS; ++m) {
+          acc[r][m] = fmaf(p[r][m], s[u][r], acc[r][m]);
+        }
+      }
     }
   }
 }
 
 #pragma unroll
 for (int r = 0; r < ROWS; ++r) {
+  const float rs = GROUP == 0 ? ds[rows[r]] : 1.0f;
 #pragma unroll
   for (int m = 0; m < TOKENS; ++m) {
     const float v = glm_warp_sum(acc[r][m]);
     if (lane == 0 && row0 + r < HIDDEN) {
-      y[static_cast<size_t>(m) * HIDDEN + row0 + r] = v;
+      atomicAdd(y + static_cast<size_t>(m) * HIDDEN + row0 + r, v * rs * wts[m * EXPERTS + e]);
     }
   }
 }
