@@ -49,13 +49,36 @@
 //! real GLM routing has far more locality, and the hit rates here are a
 //! lower bound on what the policies achieve on a real trace.
 //!
+//! **MTP** (`GLM_BENCH_MTP=1`): the container gets an MTP layer (index 3,
+//! `num_nextn_predict_layers` 1) in a third shard, `out-mtp-00000.safetensors`
+//! (9.97 GB: attention, indexer, shared expert, `eh_proj` [6144, 12288] and
+//! 256 routed experts of 37,789,696 B, all int8 per row as Colibri stores
+//! its MTP pass; norms 1). The plain shards are unchanged (a plain run on the
+//! same directory renames the MTP shard to `*.parked` and an MTP run takes it
+//! back). Instead of the decode above, four modes run through a `Session`,
+//! each on a freshly opened model (cold pool, same budget): plain; MTP k = 1
+//! with the adaptive draft policy; MTP k = 1 fixed; a set-rate drafter
+//! (p = 0.8, k = 3) proposing the plain run's own tokens. The model's own
+//! tokens are fed: greedy (every mode must reproduce plain's tokens;
+//! random weights repeat some tokens under greedy), or seeded sampling at
+//! `GLM_BENCH_TEMP` with one seed for all modes (outputs then differ but are
+//! identically distributed). Per mode: pool slots (the MTP modes' slots hold
+//! the larger int8 experts, so the same budget gives fewer slots), tokens
+//! per forward, drafted, acceptance, decode tok/s, expert hit rate (whole
+//! run, prefill included), expert bytes read per decoded token, the floor
+//! = bytes per token / O_DIRECT bandwidth (same run) and time/floor.
+//!
 //! `cargo bench --bench decode_slice` (or the built binary with `--bench`).
 
 use glm_stream::convert::writer::{ShardLayout, ShardWriter, TensorSpec};
 use glm_stream::experts::reader::{open_uncached, read_full_at};
 use glm_stream::experts::replay::{belady, lru, replay_policy};
 use glm_stream::experts::{PolicyConfig, RoutingTrace};
+use glm_stream::generate::{
+    DraftPolicyConfig, GenerateOptions, SamplingParams, Session, SetRateDrafter,
+};
 use glm_stream::mlx;
+use glm_stream::model::mtp::MtpDrafter;
 use glm_stream::model::{Glm52Model, ModelOptions};
 use glm_stream::quant::encode::QuantScheme;
 use glm_stream::tiny::{SourceDtype, TinyModelSpec};
@@ -89,6 +112,12 @@ const EXPERT_BYTES: u64 = 21_233_664;
 const EMBED: &str = "model.embed_tokens.weight";
 const RESIDENT_SHARD: &str = "out-00000.safetensors";
 const EXPERT_SHARD: &str = "out-00001.safetensors";
+/// The MTP layer (resident weights and its int8 routed experts), written
+/// only with `GLM_BENCH_MTP=1`.
+const MTP_SHARD: &str = "out-mtp-00000.safetensors";
+/// One MTP routed expert: three int8 per-row projections of 2048 × 6144 and
+/// their F32 row scales.
+const MTP_EXPERT_BYTES: u64 = 37_789_696;
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -121,7 +150,7 @@ struct Tensor {
     fill: Gen,
 }
 
-fn spec() -> TinyModelSpec {
+fn spec(mtp: bool) -> TinyModelSpec {
     TinyModelSpec {
         hidden_size: HIDDEN,
         num_hidden_layers: LAYERS,
@@ -141,39 +170,45 @@ fn spec() -> TinyModelSpec {
         index_head_dim: IDX_DIM,
         index_topk: IDX_TOPK,
         vocab_size: VOCAB,
-        num_nextn_predict_layers: 0,
+        num_nextn_predict_layers: usize::from(mtp),
         max_position_embeddings: 4096,
         rope_theta: 8_000_000.0,
         ..TinyModelSpec::default()
     }
 }
 
-fn config_json() -> BoxResult<String> {
-    let mut c = spec().config_json(SourceDtype::Bf16);
+fn config_json(mtp: bool) -> BoxResult<String> {
+    let mut c = spec(mtp).config_json(SourceDtype::Bf16);
     let obj = c.as_object_mut().ok_or("config is not an object")?;
     obj.insert(
         "indexer_types".into(),
-        serde_json::json!(vec!["full"; LAYERS]),
+        serde_json::json!(vec!["full"; LAYERS + usize::from(mtp)]),
     );
     Ok(serde_json::to_string_pretty(&c)?)
 }
 
-/// Every tensor of the slice: `(resident, routed experts)`.
-fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
+fn quant(out: &mut Vec<Tensor>, name: String, scheme: QuantScheme, rows: usize, cols: usize) {
+    out.push(Tensor {
+        shape: vec![scheme.weight_bytes(rows, cols)],
+        name,
+        fill: Gen::Quant { scheme, rows, cols },
+    });
+}
+
+fn f32s(out: &mut Vec<Tensor>, name: String, shape: Vec<usize>, fill: Gen) {
+    out.push(Tensor { name, shape, fill });
+}
+
+/// Every tensor of the slice: `(resident, routed experts, MTP layer)`. The
+/// MTP layer (index `LAYERS`) is stored as Colibri stores its MTP pass:
+/// every projection int8 per row (attention, indexer, shared expert, the
+/// 256 routed experts and `eh_proj` `[6144, 12288]`), norms and the router
+/// F32; its resident weights and routed experts share one shard.
+fn tensors() -> (Vec<Tensor>, Vec<Tensor>, Vec<Tensor>) {
     let int4 = QuantScheme::Int4Grouped { group_size: GROUP };
     let int8 = QuantScheme::Int8Row;
     let mut resident = Vec::new();
     let mut experts = Vec::new();
-    let quant = |out: &mut Vec<Tensor>, name: String, scheme: QuantScheme, rows, cols| {
-        out.push(Tensor {
-            shape: vec![scheme.weight_bytes(rows, cols)],
-            name,
-            fill: Gen::Quant { scheme, rows, cols },
-        });
-    };
-    let f32s = |out: &mut Vec<Tensor>, name: String, shape: Vec<usize>, fill: Gen| {
-        out.push(Tensor { name, shape, fill })
-    };
     quant(&mut resident, EMBED.into(), int8, VOCAB, HIDDEN);
     quant(&mut resident, "lm_head.weight".into(), int8, VOCAB, HIDDEN);
     f32s(
@@ -183,127 +218,147 @@ fn tensors() -> (Vec<Tensor>, Vec<Tensor>) {
         Gen::Ones,
     );
     for l in 0..LAYERS {
-        let p = format!("model.layers.{l}.");
-        let r = &mut resident;
-        f32s(
-            r,
-            format!("{p}input_layernorm.weight"),
-            vec![HIDDEN],
-            Gen::Ones,
-        );
-        f32s(
-            r,
-            format!("{p}post_attention_layernorm.weight"),
-            vec![HIDDEN],
-            Gen::Ones,
-        );
-        let a = format!("{p}self_attn.");
-        quant(r, format!("{a}q_a_proj.weight"), int4, Q_LORA, HIDDEN);
-        f32s(
-            r,
-            format!("{a}q_a_layernorm.weight"),
-            vec![Q_LORA],
-            Gen::Ones,
-        );
-        quant(
-            r,
-            format!("{a}q_b_proj.weight"),
-            int4,
-            HEADS * (NOPE + ROPE),
-            Q_LORA,
-        );
-        quant(
-            r,
-            format!("{a}kv_a_proj_with_mqa.weight"),
-            int4,
-            KV_LORA + ROPE,
-            HIDDEN,
-        );
-        f32s(
-            r,
-            format!("{a}kv_a_layernorm.weight"),
-            vec![KV_LORA],
-            Gen::Ones,
-        );
-        quant(
-            r,
-            format!("{a}kv_b_proj.weight"),
-            int4,
-            HEADS * (NOPE + V_DIM),
-            KV_LORA,
-        );
-        quant(r, format!("{a}o_proj.weight"), int4, HIDDEN, HEADS * V_DIM);
-        let i = format!("{a}indexer.");
-        quant(
-            r,
-            format!("{i}wq_b.weight"),
-            int8,
-            IDX_HEADS * IDX_DIM,
-            Q_LORA,
-        );
-        quant(r, format!("{i}wk.weight"), int8, IDX_DIM, HIDDEN);
-        quant(
-            r,
-            format!("{i}weights_proj.weight"),
-            int8,
-            IDX_HEADS,
-            HIDDEN,
-        );
-        f32s(r, format!("{i}k_norm.weight"), vec![IDX_DIM], Gen::Ones);
-        f32s(
-            r,
-            format!("{i}k_norm.bias"),
-            vec![IDX_DIM],
-            Gen::Uniform { std: 0.02 },
-        );
-        let m = format!("{p}mlp.");
-        if l < FIRST_DENSE {
-            for proj in ["gate_proj", "up_proj"] {
-                quant(r, format!("{m}{proj}.weight"), int4, DENSE_INTER, HIDDEN);
-            }
-            quant(r, format!("{m}down_proj.weight"), int4, HIDDEN, DENSE_INTER);
-            continue;
-        }
-        f32s(
-            r,
-            format!("{m}gate.weight"),
-            vec![EXPERTS, HIDDEN],
-            Gen::Uniform {
-                std: 1.0 / (HIDDEN as f32).sqrt(),
-            },
-        );
-        f32s(
-            r,
-            format!("{m}gate.e_score_correction_bias"),
-            vec![EXPERTS],
-            Gen::Uniform { std: 0.01 },
-        );
-        let s = format!("{m}shared_experts.");
-        for proj in ["gate_proj", "up_proj"] {
-            quant(r, format!("{s}{proj}.weight"), int4, MOE_INTER, HIDDEN);
-        }
-        quant(r, format!("{s}down_proj.weight"), int4, HIDDEN, MOE_INTER);
-        for e in 0..EXPERTS {
-            let x = format!("{m}experts.{e}.");
-            for proj in ["gate_proj", "up_proj"] {
-                quant(
-                    &mut experts,
-                    format!("{x}{proj}.weight"),
-                    int4,
-                    MOE_INTER,
-                    HIDDEN,
-                );
-            }
-            quant(
-                &mut experts,
-                format!("{x}down_proj.weight"),
-                int4,
-                HIDDEN,
-                MOE_INTER,
-            );
-        }
+        layer_tensors(l, int4, &mut resident, &mut experts);
     }
-    (resident, experts)
+    let mut mtp_resident = Vec::new();
+    let mut mtp_experts = Vec::new();
+    layer_tensors(LAYERS, int8, &mut mtp_resident, &mut mtp_experts);
+    let p = format!("model.layers.{LAYERS}.");
+    for norm in ["enorm", "hnorm", "shared_head.norm"] {
+        f32s(
+            &mut mtp_resident,
+            format!("{p}{norm}.weight"),
+            vec![HIDDEN],
+            Gen::Ones,
+        );
+    }
+    quant(
+        &mut mtp_resident,
+        format!("{p}eh_proj.weight"),
+        int8,
+        HIDDEN,
+        2 * HIDDEN,
+    );
+    mtp_resident.append(&mut mtp_experts);
+    (resident, experts, mtp_resident)
+}
+
+/// Decoder layer `l`'s tensors: the indexer int8 per row, every other
+/// projection `wq`; routed experts into `experts`, the rest into `r`.
+fn layer_tensors(l: usize, wq: QuantScheme, r: &mut Vec<Tensor>, experts: &mut Vec<Tensor>) {
+    let int8 = QuantScheme::Int8Row;
+    let p = format!("model.layers.{l}.");
+    f32s(
+        r,
+        format!("{p}input_layernorm.weight"),
+        vec![HIDDEN],
+        Gen::Ones,
+    );
+    f32s(
+        r,
+        format!("{p}post_attention_layernorm.weight"),
+        vec![HIDDEN],
+        Gen::Ones,
+    );
+    let a = format!("{p}self_attn.");
+    quant(r, format!("{a}q_a_proj.weight"), wq, Q_LORA, HIDDEN);
+    f32s(
+        r,
+        format!("{a}q_a_layernorm.weight"),
+        vec![Q_LORA],
+        Gen::Ones,
+    );
+    quant(
+        r,
+        format!("{a}q_b_proj.weight"),
+        wq,
+        HEADS * (NOPE + ROPE),
+        Q_LORA,
+    );
+    quant(
+        r,
+        format!("{a}kv_a_proj_with_mqa.weight"),
+        wq,
+        KV_LORA + ROPE,
+        HIDDEN,
+    );
+    f32s(
+        r,
+        format!("{a}kv_a_layernorm.weight"),
+        vec![KV_LORA],
+        Gen::Ones,
+    );
+    quant(
+        r,
+        format!("{a}kv_b_proj.weight"),
+        wq,
+        HEADS * (NOPE + V_DIM),
+        KV_LORA,
+    );
+    quant(r, format!("{a}o_proj.weight"), wq, HIDDEN, HEADS * V_DIM);
+    let i = format!("{a}indexer.");
+    quant(
+        r,
+        format!("{i}wq_b.weight"),
+        int8,
+        IDX_HEADS * IDX_DIM,
+        Q_LORA,
+    );
+    quant(r, format!("{i}wk.weight"), int8, IDX_DIM, HIDDEN);
+    quant(
+        r,
+        format!("{i}weights_proj.weight"),
+        int8,
+        IDX_HEADS,
+        HIDDEN,
+    );
+    f32s(r, format!("{i}k_norm.weight"), vec![IDX_DIM], Gen::Ones);
+    f32s(
+        r,
+        format!("{i}k_norm.bias"),
+        vec![IDX_DIM],
+        Gen::Uniform { std: 0.02 },
+    );
+    let m = format!("{p}mlp.");
+    if l < FIRST_DENSE {
+        for proj in ["gate_proj", "up_proj"] {
+            quant(r, format!("{m}{proj}.weight"), wq, DENSE_INTER, HIDDEN);
+        }
+        quant(r, format!("{m}down_proj.weight"), wq, HIDDEN, DENSE_INTER);
+        return;
+    }
+    f32s(
+        r,
+        format!("{m}gate.weight"),
+        vec![EXPERTS, HIDDEN],
+        Gen::Uniform {
+            std: 1.0 / (HIDDEN as f32).sqrt(),
+        },
+    );
+    f32s(
+        r,
+        format!("{m}gate.e_score_correction_bias"),
+        vec![EXPERTS],
+        Gen::Uniform { std: 0.01 },
+    );
+    let s = format!("{m}shared_experts.");
+    for proj in ["gate_proj", "up_proj"] {
+        quant(r, format!("{s}{proj}.weight"), wq, MOE_INTER, HIDDEN);
+    }
+    quant(r, format!("{s}down_proj.weight"), wq, HIDDEN, MOE_INTER);
+    for e in 0..EXPERTS {
+        let x = format!("{m}experts.{e}.");
+        for proj in ["gate_proj", "up_proj"] {
+            quant(experts, format!("{x}{proj}.weight"), wq, MOE_INTER, HIDDEN);
+        }
+        quant(
+            experts,
+            format!("{x}down_proj.weight"),
+            wq,
+            HIDDEN,
+            MOE_INTER,
+        );
+    }
 }
 
 /// The shard layout of `tensors` (quantized weights get their `.qs`) and
@@ -415,22 +470,33 @@ fn same_header(path: &Path, layout: &ShardLayout) -> bool {
         .is_ok_and(|()| got == want)
 }
 
-/// Writes the container into `dir` unless a complete one is already there;
-/// returns the experts shard.
-fn ensure_container(dir: &Path) -> BoxResult<PathBuf> {
+/// Writes the container into `dir` unless a complete one is already there
+/// (the MTP shard only with `mtp`; a shard is reused when its size and
+/// header match and `config.json` is this bench's, with or without MTP);
+/// returns the experts shard and, with `mtp`, the MTP shard.
+fn ensure_container(dir: &Path, mtp: bool) -> BoxResult<(PathBuf, Option<PathBuf>)> {
     std::fs::create_dir_all(dir)?;
-    let (resident, experts) = tensors();
+    let (resident, experts, mtp_tensors) = tensors();
     let config = dir.join("config.json");
-    let want_config = config_json()?;
-    let mut expert_path = PathBuf::new();
-    for (name, tensors, seed) in [
+    let want_config = config_json(mtp)?;
+    let known_configs = [config_json(false)?, config_json(true)?];
+    let same_config = std::fs::read_to_string(&config).is_ok_and(|c| known_configs.contains(&c));
+    let mut shards = vec![
         (RESIDENT_SHARD, &resident, 52u64),
         (EXPERT_SHARD, &experts, 53u64),
-    ] {
+    ];
+    if mtp {
+        shards.push((MTP_SHARD, &mtp_tensors, 54u64));
+        let parked = dir.join(format!("{MTP_SHARD}.parked"));
+        if parked.exists() && !dir.join(MTP_SHARD).exists() {
+            std::fs::rename(&parked, dir.join(MTP_SHARD))?;
+        }
+    }
+    let (mut expert_path, mut mtp_path) = (PathBuf::new(), None);
+    for (name, tensors, seed) in shards {
         let (layout, gens) = layout(tensors)?;
         let path = dir.join(name);
         let size = std::fs::metadata(&path).map(|m| m.len()).ok();
-        let same_config = std::fs::read_to_string(&config).is_ok_and(|c| c == want_config);
         if size == Some(layout.file_size()) && same_config && same_header(&path, &layout) {
             eprintln!(
                 "reusing {} ({:.2} GB)",
@@ -447,12 +513,24 @@ fn ensure_container(dir: &Path) -> BoxResult<PathBuf> {
             write_shard(&path, &layout, &gens, seed)?;
             eprintln!("written in {:.1} s", start.elapsed().as_secs_f64());
         }
-        if name == EXPERT_SHARD {
-            expert_path = path;
+        match name {
+            EXPERT_SHARD => expert_path = path,
+            MTP_SHARD => mtp_path = Some(path),
+            _ => {}
+        }
+    }
+    if !mtp {
+        // A plain run on a directory an MTP run used: the MTP shard stays on
+        // disk (it is not deleted) but must not be read as part of the model.
+        let stale = dir.join(MTP_SHARD);
+        if stale.exists() {
+            let parked = dir.join(format!("{MTP_SHARD}.parked"));
+            std::fs::rename(&stale, &parked)?;
+            eprintln!("moved {} aside to {}", stale.display(), parked.display());
         }
     }
     std::fs::write(&config, want_config)?;
-    Ok(expert_path)
+    Ok((expert_path, mtp_path))
 }
 
 /// One thread of sequential O_DIRECT reads of `bytes` from the start of
@@ -507,7 +585,13 @@ fn main() -> BoxResult<()> {
     let seq_mb: u64 = env_or("GLM_BENCH_SEQ_MB", 2048);
     println!("mlx {} on {:?}", mlx::version(), mlx::default_device());
 
-    let shard = ensure_container(&dir)?;
+    let mtp = std::env::var("GLM_BENCH_MTP").is_ok_and(|v| v == "1");
+    let (shard, _) = ensure_container(&dir, mtp)?;
+    if mtp {
+        return mtp_modes(
+            &dir, &shard, prompt_len, tokens, budget_gb, io_threads, seq_mb,
+        );
+    }
     let expert_total = (FIRST_DENSE..LAYERS).count() as u64 * EXPERTS as u64 * EXPERT_BYTES;
     let opts = ModelOptions {
         ram_budget_bytes: Some((budget_gb * 1e9) as u64),
@@ -666,6 +750,182 @@ fn main() -> BoxResult<()> {
     if let Ok(path) = std::env::var("GLM_BENCH_TRACE") {
         trace.save(Path::new(&path))?;
         println!("routing trace saved to {path}");
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    Plain,
+    Mtp { adaptive: bool },
+    SetRate { rate: f64, k: usize },
+}
+
+impl Mode {
+    fn label(self) -> String {
+        match self {
+            Self::Plain => "plain".into(),
+            Self::Mtp { adaptive: true } => "mtp k=1 adaptive".into(),
+            Self::Mtp { adaptive: false } => "mtp k=1 fixed".into(),
+            Self::SetRate { rate, k } => format!("set-rate p={rate} k={k}"),
+        }
+    }
+}
+
+/// `GLM_BENCH_MTP=1`: plain decoding, MTP (k = 1, adaptive and fixed) and a
+/// set-rate drafter (p = 0.8, k = 3, proposing the plain run's tokens), each
+/// through a [`Session`] on a freshly opened model (cold pool, same budget),
+/// feeding the model's own tokens: greedy by default, or seeded sampling at
+/// `GLM_BENCH_TEMP` (same seed every mode).
+fn mtp_modes(
+    dir: &Path,
+    shard: &Path,
+    prompt_len: usize,
+    tokens: usize,
+    budget_gb: f64,
+    io_threads: usize,
+    seq_mb: u64,
+) -> BoxResult<()> {
+    let temperature: f32 = env_or("GLM_BENCH_TEMP", 0.0);
+    let sampling = if temperature > 0.0 {
+        SamplingParams {
+            temperature,
+            seed: 7,
+            ..SamplingParams::greedy()
+        }
+    } else {
+        SamplingParams::greedy()
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|_| rng.random_range(0..VOCAB as u32))
+        .collect();
+    let gen_opts = GenerateOptions {
+        max_tokens: tokens + 1,
+        sampling,
+        ..GenerateOptions::default()
+    };
+    let bw_before = sequential_bandwidth(shard, seq_mb << 20)?;
+    println!(
+        "sequential O_DIRECT read (before): {:.3} GB/s",
+        bw_before / 1e9
+    );
+    let modes = [
+        Mode::Plain,
+        Mode::Mtp { adaptive: true },
+        Mode::Mtp { adaptive: false },
+        Mode::SetRate { rate: 0.8, k: 3 },
+    ];
+    let mut rows = Vec::new();
+    let mut reference: Option<Vec<u32>> = None;
+    for mode in modes {
+        let opts = ModelOptions {
+            ram_budget_bytes: Some((budget_gb * 1e9) as u64),
+            io_threads,
+            direct_io: true,
+            include_mtp: matches!(mode, Mode::Mtp { .. }),
+        };
+        let mut model = Glm52Model::open(dir, &opts)?;
+        let slots = model.expert_stats().slots;
+        let drafter = match mode {
+            Mode::Mtp { .. } => Some(MtpDrafter::new(&mut model, 0)?),
+            _ => None,
+        };
+        let session = Session::new(&mut model, None, &prompt, gen_opts.clone())?;
+        let session = match (mode, drafter) {
+            (Mode::Mtp { adaptive }, Some(d)) => {
+                let policy = if adaptive {
+                    DraftPolicyConfig::default()
+                } else {
+                    DraftPolicyConfig::fixed(1)
+                };
+                session.with_drafter(d, policy)?
+            }
+            (Mode::SetRate { rate, k }, _) => {
+                let want = reference.clone().ok_or("plain runs first")?;
+                let d = SetRateDrafter::new(prompt.len(), want, VOCAB, rate, 1);
+                session.with_drafter(d, DraftPolicyConfig::fixed(k))?
+            }
+            _ => session,
+        };
+        let g = session.run(|_| std::ops::ControlFlow::Continue(()))?;
+        let es = model.expert_stats();
+        let same = match &reference {
+            None => {
+                reference = Some(g.tokens.clone());
+                true
+            }
+            Some(want) => *want == g.tokens,
+        };
+        if !same && temperature <= 0.0 {
+            return Err(format!("{} changed the greedy output", mode.label()).into());
+        }
+        println!(
+            "{}: {} slots of {:.1} MB; tokens {:?}",
+            mode.label(),
+            slots,
+            if matches!(mode, Mode::Mtp { .. }) {
+                MTP_EXPERT_BYTES
+            } else {
+                EXPERT_BYTES
+            } as f64
+                / 1e6,
+            g.tokens
+        );
+        rows.push((mode, g.stats, es.hits, es.misses, slots, same));
+    }
+    let bw_after = sequential_bandwidth(shard, seq_mb << 20)?;
+    println!(
+        "sequential O_DIRECT read (after): {:.3} GB/s",
+        bw_after / 1e9
+    );
+    let bw = 0.5 * (bw_before + bw_after);
+    println!(
+        "{} sampling, {prompt_len}-token prompt, {tokens} decoded tokens; budget {budget_gb} GB; \
+         read bandwidth {:.3} GB/s (before {:.3} / after {:.3})",
+        if temperature > 0.0 {
+            format!("seeded T={temperature}")
+        } else {
+            "greedy".into()
+        },
+        bw / 1e9,
+        bw_before / 1e9,
+        bw_after / 1e9
+    );
+    println!(
+        "{:<20} {:>6} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>10} {:>8} {:>6}",
+        "mode",
+        "slots",
+        "tok/fwd",
+        "drafted",
+        "accept",
+        "dec tok/s",
+        "hit rate",
+        "MB/token",
+        "floor ms",
+        "t/floor",
+        "same"
+    );
+    for (mode, s, hits, misses, slots, same) in rows {
+        let decoded = s.generated_tokens.saturating_sub(1).max(1) as f64;
+        let bytes = (s.plain_bytes + s.round_bytes) as f64 / decoded;
+        let floor = bytes / bw;
+        let per_token = s.decode.as_secs_f64() / decoded;
+        println!(
+            "{:<20} {:>6} {:>8.3} {:>8} {:>8} {:>10.3} {:>8.1}% {:>10.1} {:>10.1} {:>8.2} {:>6}",
+            mode.label(),
+            slots,
+            s.tokens_per_forward().unwrap_or(f64::NAN),
+            s.drafted,
+            s.acceptance_rate()
+                .map_or("-".into(), |a| format!("{a:.3}")),
+            s.decode_tok_s(),
+            100.0 * hits as f64 / (hits + misses).max(1) as f64,
+            bytes / 1e6,
+            floor * 1e3,
+            per_token / floor,
+            if same { "yes" } else { "no" }
+        );
     }
     Ok(())
 }
