@@ -191,9 +191,20 @@ impl ProjectionKernel {
             group_size: group_size as i32,
             repeat: repeat as i32,
         };
+        // Per-row scales repeat into the widest group that divides the row.
+        // For int8 that includes 128: MLX 0.32.4's CUDA backend has no 8-bit
+        // float32 kernel for group 64 at one row ("No implementation for
+        // problem shape 1x2048x6144x1", H200), while the resident view's
+        // group-128 int8 projections of the same shape run there.
+        let per_row_groups: &[usize] = if f.bits == 8 {
+            &[128, 64, 32]
+        } else {
+            &[64, 32]
+        };
         match f.group_size.map(|g| g as usize) {
-            None => [64, 32]
-                .into_iter()
+            None => per_row_groups
+                .iter()
+                .copied()
                 .find(|g| cols % g == 0)
                 .map_or(Self::Dense, |g| affine(g, cols / g)),
             Some(gs) if f.bits == 4 && gs > 0 && cols % gs == 0 => {
