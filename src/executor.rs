@@ -1053,36 +1053,17 @@ fn dense_weight(
 ) -> Result<Array, DenseError> {
     let f = &p.format;
     let (o, i) = (f.rows as i32, f.cols as i32);
-    let view = |shape: &[i32], dt| {
-        store
-            .view(entry.handle, p.weight_offset, shape, dt)
-            .map_err(DenseError::Slot)
-    };
-    let q = if f.bits == 4 {
-        let stride = f.cols.div_ceil(2) as i32;
-        let bytes = view(&[o, stride], Dtype::Uint8)?;
-        let lo = bytes.bitwise_and(&Array::scalar_int(0x0F, Dtype::Uint8)?)?;
-        let hi = bytes.right_shift(&Array::scalar_int(4, Dtype::Uint8)?)?;
-        let pairs = mlx::stack(&[&lo, &hi], 2)?.reshape(&[o, 2 * stride])?;
-        let vals = if 2 * stride == i {
-            pairs
-        } else {
-            pairs.slice(&[0, 0], &[o, i], &[1, 1])?
-        };
-        vals.astype(dtype)?.add_scalar(-8.0)?
+    let (shape, packed_dtype) = if f.bits == 4 {
+        ([o, f.cols.div_ceil(2) as i32], Dtype::Uint8)
     } else {
-        view(&[o, i], Dtype::Int8)?.astype(dtype)?
+        ([o, i], Dtype::Int8)
     };
-    let per_col = match f.group_size {
-        Some(g) if f.cols.div_ceil(g as usize) > 1 => {
-            let groups = f.cols.div_ceil(g as usize);
-            let idx: Vec<u32> = (0..f.cols).map(|c| (c / g as usize) as u32).collect();
-            let idx = mlx::checked_indices(&idx, groups, "scale group")?;
-            scales.take(&idx, 1)?
-        }
-        _ => scales.clone(),
-    };
-    Ok(q.multiply(&per_col)?)
+    let packed = store
+        .view(entry.handle, p.weight_offset, &shape, packed_dtype)
+        .map_err(DenseError::Slot)?;
+    Ok(crate::kernels::stock::dequantize_packed(
+        &packed, f, scales, dtype,
+    )?)
 }
 
 /// One wave's contribution `Σ_k w_k · y_k` per row (zero for rows the wave

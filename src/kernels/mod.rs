@@ -59,7 +59,7 @@ mod cuda;
 mod fused;
 mod metal;
 pub mod select;
-mod stock;
+pub(crate) mod stock;
 
 use std::cell::RefCell;
 use std::collections::HashMap;

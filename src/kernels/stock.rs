@@ -3,7 +3,7 @@
 //! [`ProjectionKernel`]), SwiGLU per expert, then the routing-weighted sum.
 
 use crate::executor::ProjectionKernel;
-use crate::experts::layout::ProjectionLayout;
+use crate::experts::layout::{ProjectionFormat, ProjectionLayout};
 use crate::mlx::{self, Array, Dtype};
 
 use super::{ExpertSlot, KernelError, Result};
@@ -91,26 +91,48 @@ fn dense_weight(
 ) -> Result<Array> {
     let f = &p.format;
     let (o, i) = (f.rows as i32, f.cols as i32);
-    let q = match f.bits {
-        4 => {
-            let stride = f.cols.div_ceil(2) as i32;
-            let b = sub_view(bytes, p.weight_offset, &[o, stride], Dtype::Uint8)?;
-            let lo = b.bitwise_and(&Array::scalar_int(0x0F, Dtype::Uint8)?)?;
-            let hi = b.right_shift(&Array::scalar_int(4, Dtype::Uint8)?)?;
-            let pairs = mlx::stack(&[&lo, &hi], 2)?.reshape(&[o, 2 * stride])?;
-            let vals = if 2 * stride == i {
-                pairs
-            } else {
-                pairs.slice(&[0, 0], &[o, i], &[1, 1])?
-            };
-            vals.astype(dtype)?.add_scalar(-8.0)?
-        }
-        8 => sub_view(bytes, p.weight_offset, &[o, i], Dtype::Int8)?.astype(dtype)?,
+    let packed = match f.bits {
+        4 => sub_view(
+            bytes,
+            p.weight_offset,
+            &[o, f.cols.div_ceil(2) as i32],
+            Dtype::Uint8,
+        )?,
+        8 => sub_view(bytes, p.weight_offset, &[o, i], Dtype::Int8)?,
         b => {
             return Err(KernelError::Input(format!(
                 "{b}-bit weights are not supported"
             )));
         }
+    };
+    Ok(dequantize_packed(&packed, f, scales, dtype)?)
+}
+
+/// Expands a projection's packed weight with MLX ops: `packed` is the
+/// `uint8 [O, ceil(I/2)]` nibble view of an int4 weight (low nibble = even
+/// column, offset-binary) or the `int8 [O, I]` view of an int8 one; `scales`
+/// are its F32 scales `[O, groups]` (or `[O, 1]` per row). Shared by the stock
+/// kernels and the streamed executor's dense path.
+pub(crate) fn dequantize_packed(
+    packed: &Array,
+    f: &ProjectionFormat,
+    scales: &Array,
+    dtype: Dtype,
+) -> mlx::Result<Array> {
+    let (o, i) = (f.rows as i32, f.cols as i32);
+    let q = if f.bits == 4 {
+        let stride = f.cols.div_ceil(2) as i32;
+        let lo = packed.bitwise_and(&Array::scalar_int(0x0F, Dtype::Uint8)?)?;
+        let hi = packed.right_shift(&Array::scalar_int(4, Dtype::Uint8)?)?;
+        let pairs = mlx::stack(&[&lo, &hi], 2)?.reshape(&[o, 2 * stride])?;
+        let vals = if 2 * stride == i {
+            pairs
+        } else {
+            pairs.slice(&[0, 0], &[o, i], &[1, 1])?
+        };
+        vals.astype(dtype)?.add_scalar(-8.0)?
+    } else {
+        packed.astype(dtype)?
     };
     let per_col = match f.group_size {
         Some(g) if f.cols.div_ceil(g as usize) > 1 => {
@@ -120,7 +142,7 @@ fn dense_weight(
         }
         _ => scales.clone(),
     };
-    Ok(q.multiply(&per_col)?)
+    q.multiply(&per_col)
 }
 
 /// `down(silu(gate·x) ⊙ up·x)` of one expert, in `x`'s dtype.
