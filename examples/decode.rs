@@ -293,21 +293,25 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let tokens = stats.generated_tokens.max(1) as f64;
     let disk_gb_per_token = (after.bytes_read - before.bytes_read) as f64 / 1e9 / tokens;
-    eprintln!(
-        "summary prompt_tokens={} prefill_tok_s={:.2} decode_tok_s={:.2} hit_rate={:.3} disk_gb_per_token={:.4} peak_rss_gb={:.3} \
-         mtp={} acceptance_rate={:.3} tokens_per_forward={:.3} drafted={} accepted={}",
+    let mut summary = format!(
+        "summary prompt_tokens={} prefill_tok_s={:.2} decode_tok_s={:.2} hit_rate={:.3} disk_gb_per_token={:.4} peak_rss_gb={:.3}",
         stats.prompt_tokens,
         stats.prefill_tok_s(),
         stats.decode_tok_s(),
         hit_rate,
         disk_gb_per_token,
         peak_rss_gb(),
-        args.mtp.unwrap_or(0),
-        stats.acceptance_rate().unwrap_or(f64::NAN),
-        stats.tokens_per_forward().unwrap_or(f64::NAN),
-        stats.drafted,
-        stats.accepted,
     );
+    if let Some(k) = args.mtp {
+        summary.push_str(&format!(
+            " mtp={k} acceptance_rate={:.3} tokens_per_forward={:.3} drafted={} accepted={}",
+            stats.acceptance_rate().unwrap_or(f64::NAN),
+            stats.tokens_per_forward().unwrap_or(f64::NAN),
+            stats.drafted,
+            stats.accepted,
+        ));
+    }
+    eprintln!("{summary}");
     Ok(())
 }
 
