@@ -70,8 +70,10 @@
 //!
 //! `cargo bench --bench decode_slice` (or the built binary with `--bench`).
 
+mod common;
+
+use common::{BoxResult, EXPERT_BYTES, env_or, sequential_bandwidth};
 use glm_stream::convert::writer::{ShardLayout, ShardWriter, TensorSpec};
-use glm_stream::experts::reader::{open_uncached, read_full_at};
 use glm_stream::experts::replay::{belady, lru, replay_policy};
 use glm_stream::experts::{PolicyConfig, RoutingTrace};
 use glm_stream::generate::{
@@ -107,8 +109,6 @@ const IDX_DIM: usize = 128;
 const IDX_TOPK: usize = 2048;
 const VOCAB: usize = 4096;
 const GROUP: usize = 64;
-/// One routed expert: three int4 g64 projections of 2048 × 6144 and their scales.
-const EXPERT_BYTES: u64 = 21_233_664;
 const EMBED: &str = "model.embed_tokens.weight";
 const RESIDENT_SHARD: &str = "out-00000.safetensors";
 const EXPERT_SHARD: &str = "out-00001.safetensors";
@@ -118,15 +118,6 @@ const MTP_SHARD: &str = "out-mtp-00000.safetensors";
 /// One MTP routed expert: three int8 per-row projections of 2048 × 6144 and
 /// their F32 row scales.
 const MTP_EXPERT_BYTES: u64 = 37_789_696;
-
-type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// How one tensor's values are generated.
 #[derive(Debug, Clone, Copy)]
@@ -531,27 +522,6 @@ fn ensure_container(dir: &Path, mtp: bool) -> BoxResult<(PathBuf, Option<PathBuf
     }
     std::fs::write(&config, want_config)?;
     Ok((expert_path, mtp_path))
-}
-
-/// One thread of sequential O_DIRECT reads of `bytes` from the start of
-/// the file, one expert-sized request at a time; returns bytes/s.
-fn sequential_bandwidth(path: &Path, bytes: u64) -> BoxResult<f64> {
-    let f = open_uncached(path)?;
-    let len = std::fs::metadata(path)?.len();
-    let mut raw = vec![0u8; EXPERT_BYTES as usize + 4096];
-    let pad = raw.as_ptr().align_offset(4096);
-    let buf = &mut raw[pad..pad + EXPERT_BYTES as usize];
-    let chunks = (bytes.min(len) / EXPERT_BYTES).max(1);
-    let start = Instant::now();
-    let mut total = 0u64;
-    for i in 0..chunks {
-        let got = read_full_at(&f, i * EXPERT_BYTES, buf, true)?;
-        total += got;
-        if got < EXPERT_BYTES {
-            break;
-        }
-    }
-    Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
 fn argmax(logits: &[f32]) -> BoxResult<u32> {

@@ -32,10 +32,12 @@
 //! Run: `cargo bench --bench moe_layer_decode` (or the built binary with
 //! `--bench`).
 
+mod common;
+
+use common::{BoxResult, EXPERT_BYTES, env_or, sequential_bandwidth};
 use glm_stream::container::ColibriContainer;
 use glm_stream::convert::writer::{ShardLayout, ShardWriter, TensorSpec};
 use glm_stream::executor::{StreamedExecutor, layouts_from_source};
-use glm_stream::experts::reader::{open_uncached, read_full_at};
 use glm_stream::experts::{
     DirectUpload, FileExpertSource, PolicyConfig, ResidencyManager, SlabConfig,
 };
@@ -56,17 +58,7 @@ const EXPERTS: u32 = 256;
 const TOP_K: usize = 8;
 const LAYERS: [u32; 2] = [0, 1];
 const GROUP: usize = 64;
-const EXPERT_BYTES: u64 = 21_233_664;
 const SHARD: &str = "out-00000.safetensors";
-
-type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn spec() -> TinyModelSpec {
     TinyModelSpec {
@@ -158,27 +150,6 @@ fn ensure_container(dir: &Path) -> BoxResult<PathBuf> {
     w.finish()?;
     eprintln!("written in {:.1} s", start.elapsed().as_secs_f64());
     Ok(shard)
-}
-
-/// One thread of sequential O_DIRECT reads of `bytes` from the start of
-/// the file, one expert-sized request at a time; returns bytes/s.
-fn sequential_bandwidth(path: &Path, bytes: u64) -> BoxResult<f64> {
-    let f = open_uncached(path)?;
-    let len = std::fs::metadata(path)?.len();
-    let mut raw = vec![0u8; EXPERT_BYTES as usize + 4096];
-    let pad = raw.as_ptr().align_offset(4096);
-    let buf = &mut raw[pad..pad + EXPERT_BYTES as usize];
-    let chunks = (bytes.min(len) / EXPERT_BYTES).max(1);
-    let start = Instant::now();
-    let mut total = 0u64;
-    for i in 0..chunks {
-        let got = read_full_at(&f, i * EXPERT_BYTES, buf, true)?;
-        total += got;
-        if got < EXPERT_BYTES {
-            break;
-        }
-    }
-    Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
 /// Per layer, a Zipf(1) popularity over a random permutation of the experts.
