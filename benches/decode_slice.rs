@@ -25,6 +25,9 @@
 //! (contents are not checked: delete the directory after changing the
 //! generator); nothing is deleted.
 //!
+//! `GLM_BENCH_KERNELS` pins the expert kernels (`auto`, `stock`, `fused`,
+//! `fused-simt`; default `auto`).
+//!
 //! Run: a `GLM_BENCH_PROMPT`-token prompt (default 4) is prefilled, then
 //! `GLM_BENCH_TOKENS` tokens (default 16) are decoded, one `forward` each.
 //! The token fed at each step is drawn at random (seeded) rather than taken
@@ -79,6 +82,7 @@ use glm_stream::experts::{PolicyConfig, RoutingTrace};
 use glm_stream::generate::{
     DraftPolicyConfig, GenerateOptions, SamplingParams, Session, SetRateDrafter,
 };
+use glm_stream::kernels::KernelFamily;
 use glm_stream::mlx;
 use glm_stream::model::mtp::MtpDrafter;
 use glm_stream::model::{Glm52Model, ModelOptions};
@@ -568,6 +572,7 @@ fn main() -> BoxResult<()> {
         io_threads,
         direct_io: true,
         include_mtp: false,
+        kernel_family: kernel_family()?,
     };
     let open_start = Instant::now();
     let mut model = Glm52Model::open(&dir, &opts)?;
@@ -794,6 +799,7 @@ fn mtp_modes(
             io_threads,
             direct_io: true,
             include_mtp: matches!(mode, Mode::Mtp { .. }),
+            kernel_family: kernel_family()?,
         };
         let mut model = Glm52Model::open(dir, &opts)?;
         let slots = model.expert_stats().slots;
@@ -898,4 +904,14 @@ fn mtp_modes(
         );
     }
     Ok(())
+}
+
+/// `GLM_BENCH_KERNELS` (`auto` by default; `stock`, `fused`, `fused-simt`):
+/// how the routed experts are computed.
+fn kernel_family() -> BoxResult<KernelFamily> {
+    Ok(std::env::var("GLM_BENCH_KERNELS")
+        .ok()
+        .map(|v| v.parse::<KernelFamily>())
+        .transpose()?
+        .unwrap_or_default())
 }

@@ -9,10 +9,12 @@
 //!    expert bytes / time.
 //!    `E` experts per fused call (32: four layers' experts in one launch
 //!    pair, the kernels' throughput with less launch overhead) and, with
-//!    `--sweep`, every CUDA launch shape ([`FusedTuning`]) at M = 1, 4, 8.
+//!    `--sweep`, the tensor-core kernels' chunks per step ([`FusedTuning`]
+//!    unrolls) at M = 1 and 4. Fused runs both designs: `tensor`
+//!    (`KernelFamily::Fused`) and `simt` (`KernelFamily::FusedSimt`).
 //! 3. `executor`: [`StreamedExecutor::forward_routes`] for one layer of 128
 //!    resident GLM-5.2 experts (random top-8 per call, bf16 row), kernel
-//!    family pinned to `Stock` or `Fused`: the decode path's per-layer time
+//!    family pinned to `Stock`, `FusedSimt` or `Fused`: the decode path's per-layer time
 //!    including routing weights, the lease and the fenced evaluation.
 //! 4. `upload` (skipped with `--no-upload`): getting a missed expert (21 MB)
 //!    from host memory into a usable slot: host writes into the MLX managed
@@ -169,13 +171,11 @@ impl Pool {
         })
     }
 
-    fn view(&self, slot: usize) -> BenchResult<Array> {
-        let a = &self.arenas[slot / SLOTS_PER_ARENA];
-        Ok(a.view(
-            (slot % SLOTS_PER_ARENA) * self.stride,
-            &[self.layout.slot_bytes as i32],
-            Dtype::Uint8,
-        )?)
+    /// Slot `slot` as the kernels take it: inside its arena, at its offset
+    /// (no per-expert view to build).
+    fn slot(&self, slot: usize) -> ExpertSlot<'_> {
+        let a = self.arenas[slot / SLOTS_PER_ARENA].as_array();
+        ExpertSlot::in_arena(a, (slot % SLOTS_PER_ARENA) * self.stride, &self.layout)
     }
 
     fn slots(&self) -> usize {
@@ -186,7 +186,9 @@ impl Pool {
 /// Median seconds per layer of `runner` for `rows` rows, evaluating `batch`
 /// independent layers (distinct random experts) per `eval` (1: one layer's
 /// latency including graph build, launch and sync; more: GPU throughput
-/// with MLX's per-eval overhead amortized).
+/// with MLX's per-eval overhead amortized). Returns the median, p10 and p90
+/// per layer and the median of the `eval` part alone (graph build, which
+/// MLX does on the calling thread before any launch, left out).
 #[allow(clippy::too_many_arguments)]
 fn layer_time(
     pool: &Pool,
@@ -196,7 +198,7 @@ fn layer_time(
     batch: usize,
     layers: usize,
     rng: &mut Rng,
-) -> BenchResult<(f64, f64, f64)> {
+) -> BenchResult<(f64, f64, f64, f64)> {
     let xs: Vec<f32> = (0..rows * HIDDEN)
         .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
         .collect();
@@ -208,6 +210,7 @@ fn layer_time(
     )?;
     mlx::eval(&[&x, &w])?;
     let mut times = Vec::new();
+    let mut evals = Vec::new();
     let iters = (layers / batch).max(10);
     for i in 0..iters {
         let picks: Vec<Vec<usize>> = (0..batch)
@@ -225,26 +228,23 @@ fn layer_time(
         let t = Instant::now();
         let mut ys = Vec::with_capacity(batch);
         for ids in &picks {
-            let views = ids
-                .iter()
-                .map(|&s| pool.view(s))
-                .collect::<BenchResult<Vec<_>>>()?;
-            let slots: Vec<ExpertSlot<'_>> = views
-                .iter()
-                .map(|v| ExpertSlot::new(v, &pool.layout))
-                .collect();
+            let slots: Vec<ExpertSlot<'_>> = ids.iter().map(|&s| pool.slot(s)).collect();
             ys.push(runner.forward(&x, &slots, &w)?);
         }
         let refs: Vec<&Array> = ys.iter().collect();
+        let built = t.elapsed().as_secs_f64();
         mlx::eval(&refs)?;
         if i >= iters / 10 {
-            times.push(t.elapsed().as_secs_f64() / batch as f64);
+            let total = t.elapsed().as_secs_f64();
+            times.push(total / batch as f64);
+            evals.push((total - built) / batch as f64);
         }
     }
     Ok((
         percentile(&mut times, 0.5),
         percentile(&mut times, 0.1),
         percentile(&mut times, 0.9),
+        percentile(&mut evals, 0.5),
     ))
 }
 
@@ -257,10 +257,19 @@ fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool, quick: bool) -
         pool.layout.data_bytes
     );
     let stock = FusedExperts::new(KernelFamily::Stock)?;
-    let fused = match FusedExperts::new(KernelFamily::Fused) {
-        Ok(f) if Environment::current().gpu_default => Some(f),
+    // Both fused designs: tensor cores (`Fused` on CUDA for int4) and CUDA
+    // cores (`FusedSimt`).
+    let gpu = Environment::current().gpu_default;
+    let fused: Vec<(&str, FusedExperts)> = [
+        ("tensor", KernelFamily::Fused),
+        ("simt", KernelFamily::FusedSimt),
+    ]
+    .into_iter()
+    .filter_map(|(name, family)| match FusedExperts::new(family) {
+        Ok(f) if gpu => Some((name, f)),
         _ => None,
-    };
+    })
+    .collect();
     let gb = |e: usize, t: f64| e as f64 * expert_bytes / t / 1e9;
     let pct = |e: usize, t: f64| 100.0 * e as f64 * expert_bytes / t / hbm;
     let runs: [(usize, usize, usize); 11] = [
@@ -279,6 +288,8 @@ fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool, quick: bool) -
     let quick_runs = [
         (1, TOP_K, 1),
         (1, TOP_K, 16),
+        (1, TOP_K, 64),
+        (1, 4 * TOP_K, 4),
         (2, TOP_K, 16),
         (4, TOP_K, 16),
         (8, TOP_K, 16),
@@ -290,70 +301,54 @@ fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool, quick: bool) -
     };
     for &(rows, experts, batch) in runs {
         println!("  -- M={rows}, E={experts}, {batch} call(s) per eval");
-        let (s, s10, s90) = layer_time(pool, &stock, rows, experts, batch, layers, rng)?;
+        let (s, s10, s90, se) = layer_time(pool, &stock, rows, experts, batch, layers, rng)?;
         println!(
-            "  M={rows} E={experts} x{batch} stock: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s = {:.0} % of hbm",
+            "  M={rows} E={experts} x{batch} stock: median {:.1} µs (p10 {:.1}, p90 {:.1}; eval {:.1}) → {:.0} GB/s = {:.0} % of hbm",
             s * 1e6,
             s10 * 1e6,
             s90 * 1e6,
+            se * 1e6,
             gb(experts, s),
             pct(experts, s)
         );
-        if let Some(f) = &fused {
-            let (t, t10, t90) = layer_time(pool, f, rows, experts, batch, layers, rng)?;
+        for (name, f) in &fused {
+            let (t, t10, t90, te) = layer_time(pool, f, rows, experts, batch, layers, rng)?;
             println!(
-                "  M={rows} E={experts} x{batch} fused: median {:.1} µs (p10 {:.1}, p90 {:.1}) → {:.0} GB/s = {:.0} % of hbm; {:.2}× stock",
+                "  M={rows} E={experts} x{batch} {name}: median {:.1} µs (p10 {:.1}, p90 {:.1}; eval {:.1} → {:.0} % of hbm) → {:.0} GB/s = {:.0} % of hbm; {:.2}× stock",
                 t * 1e6,
                 t10 * 1e6,
                 t90 * 1e6,
+                te * 1e6,
+                pct(experts, te),
                 gb(experts, t),
                 pct(experts, t),
                 s / t
             );
         }
     }
-    let Some(fused) = fused.filter(|_| sweep) else {
+    if !sweep || fused.is_empty() {
         return Ok(());
-    };
-    println!("sweep: CUDA launch shapes, 16 layers of 8 experts per eval");
-    let shapes: Vec<(u32, u32)> = vec![(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)];
-    for rows in [1usize, 4, 8] {
-        let base = FusedTuning::for_rows(rows);
-        let mut tunings = Vec::new();
-        for &(r, u) in &shapes {
-            tunings.push(FusedTuning {
-                gate_up_rows: r,
-                gate_up_unroll: u,
-                ..base
-            });
-        }
-        for &(r, u) in &shapes {
+    }
+    println!("sweep: tensor-core chunks per step (K1, K2), 16 layers of 8 experts per eval");
+    for rows in [1usize, 4] {
+        for (u1, u2) in [(1, 1), (2, 2), (4, 4), (2, 4), (4, 2)] {
             let t = FusedTuning {
-                down_rows: r,
-                down_unroll: u,
-                ..base
+                gate_up_unroll: u1,
+                down_unroll: u2,
+                ..FusedTuning::for_rows(rows)
             };
-            if !tunings.contains(&t) {
-                tunings.push(t);
-            }
-        }
-        for t in tunings {
             let runner = FusedExperts::new(KernelFamily::Fused)?.with_tuning(Some(t))?;
-            let (m, _, _) = layer_time(pool, &runner, rows, TOP_K, 16, 320, rng)?;
+            let (m, _, _, me) = layer_time(pool, &runner, rows, TOP_K, 16, 320, rng)?;
             println!(
-                "  sweep M={rows} K1 {}x{} K2 {}x{}: {:.1} µs → {:.0} GB/s = {:.0} % of hbm{}",
-                t.gate_up_rows,
-                t.gate_up_unroll,
-                t.down_rows,
-                t.down_unroll,
+                "  sweep M={rows} K1 U{u1} K2 U{u2}: {:.1} µs (eval {:.1}) → {:.0} GB/s = {:.0} % of hbm{}",
                 m * 1e6,
+                me * 1e6,
                 gb(TOP_K, m),
                 pct(TOP_K, m),
-                if t == base { " (default)" } else { "" }
+                if (u1, u2) == (2, 2) { " (default)" } else { "" }
             );
         }
     }
-    drop(fused);
     Ok(())
 }
 
@@ -419,7 +414,11 @@ fn executor_bench(rng: &mut Rng, hbm: f64, quick: bool) -> BenchResult<()> {
     );
     let families: &[KernelFamily] =
         if Environment::current().gpu_default && Environment::current().fused_backend.is_some() {
-            &[KernelFamily::Stock, KernelFamily::Fused]
+            &[
+                KernelFamily::Stock,
+                KernelFamily::FusedSimt,
+                KernelFamily::Fused,
+            ]
         } else {
             &[KernelFamily::Stock]
         };

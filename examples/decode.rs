@@ -4,8 +4,12 @@
 //! cargo run --release --example decode -- [--model DIR] [--prompt TEXT | --prompt-ids 1,2,3]
 //!     [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw]
 //!     [--ram-budget GB] [--dump-logits FILE.npy] [--mtp[=K]] [--mtp-fixed]
-//!     [--routing-trace FILE.jsonl]
+//!     [--routing-trace FILE.jsonl] [--kernels auto|stock|fused|fused-simt]
 //! ```
+//!
+//! `--kernels` pins how routed experts are computed (default `auto`: the
+//! fused kernels on a GPU build for decode-sized waves, MLX's
+//! `quantized_matmul` otherwise; `fused` fails at open where it cannot run).
 //!
 //! `--mtp[=K]` decodes speculatively with the model's MTP head, at most `K`
 //! drafts per round (1 by default), turned down or off by the expert-aware
@@ -31,6 +35,7 @@ use glm_stream::container::ColibriContainer;
 use glm_stream::generate::{
     self, DraftPolicyConfig, GenerateOptions, SamplingParams, Session, Tokenizer,
 };
+use glm_stream::kernels::KernelFamily;
 use glm_stream::model::mtp::MtpDrafter;
 use glm_stream::model::{Glm52Model, ModelOptions};
 
@@ -50,12 +55,13 @@ struct Args {
     mtp: Option<usize>,
     mtp_fixed: bool,
     routing_trace: Option<PathBuf>,
+    kernels: KernelFamily,
 }
 
 const USAGE: &str = "usage: decode [--model DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--max-tokens N] \
 [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--ram-budget GB] [--dump-logits FILE.npy] \
 [--mtp[=K]] [--mtp-fixed] \
-[--routing-trace FILE.jsonl]";
+[--routing-trace FILE.jsonl] [--kernels auto|stock|fused|fused-simt]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -73,6 +79,7 @@ fn parse_args() -> Result<Args, String> {
         mtp: None,
         mtp_fixed: false,
         routing_trace: None,
+        kernels: KernelFamily::Auto,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -129,6 +136,10 @@ fn parse_args() -> Result<Args, String> {
             "--dump-logits" => a.dump_logits = Some(PathBuf::from(value("--dump-logits")?)),
             "--routing-trace" => {
                 a.routing_trace = Some(PathBuf::from(value("--routing-trace")?));
+            }
+            "--kernels" => {
+                let v = value("--kernels")?;
+                a.kernels = v.parse().map_err(|e| format!("--kernels: {e}"))?;
             }
             "--raw" => a.raw = true,
             "--mtp" => a.mtp = Some(1),
@@ -232,6 +243,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let model_opts = ModelOptions {
         ram_budget_bytes: args.ram_budget_gb.map(|gb| (gb * 1e9) as u64),
         include_mtp: args.mtp.is_some(),
+        kernel_family: args.kernels,
         ..ModelOptions::default()
     };
     let mut model = Glm52Model::open(&dir, &model_opts)?;

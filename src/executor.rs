@@ -53,10 +53,12 @@
 //!
 //! # Fused decode path
 //!
-//! With [`ExecutorOptions::kernel_family`] `Auto` (the default) or `Fused`,
-//! a wave of a call with at most [`ExecutorOptions::fused_max_rows`] rows is
-//! computed by the fused Q4/Q8 kernels ([`crate::kernels::FusedExperts`])
-//! straight from the slot bytes instead: each batch of experts that becomes
+//! With [`ExecutorOptions::kernel_family`] `Auto` (the default), `Fused` or
+//! `FusedSimt`, a wave of a call with at most
+//! [`ExecutorOptions::fused_max_rows`] rows is computed by the fused Q4/Q8
+//! kernels ([`crate::kernels::FusedExperts`]) straight from the slot bytes
+//! instead (each slot read inside its arena at its offset, so no per-expert
+//! view is built): each batch of experts that becomes
 //! resident together (all hits at once, then each miss as it lands) is one
 //! fused call over every row of `x`, with routing weights `[rows, experts]`
 //! that are zero where a row does not use an expert; the call's `[rows,
@@ -67,7 +69,7 @@
 //!
 //! `Auto` resolves to the stock path on a CPU device or a build without a
 //! fused backend, for formats the fused kernels do not handle and for larger
-//! batches; `Fused` is checked when the executor is built (an error names
+//! batches; `Fused` / `FusedSimt` are checked when the executor is built (an error names
 //! what is missing) and then used for every wave of at most
 //! `fused_max_rows` rows. Larger (prefill) batches always take the stock
 //! path. [`ExecutorTelemetry::fused_waves`] counts the waves that ran fused.
@@ -227,7 +229,6 @@ struct ExpertSpec {
     projections: [ProjectionLayout; 3],
     kernels: [ProjectionKernel; 3],
     data_bytes: u64,
-    slot_bytes: usize,
 }
 
 /// How a [`StreamedExecutor`] computes its experts (see the module docs,
@@ -372,7 +373,6 @@ impl StreamedExecutor {
                         .projections
                         .map(|p| ProjectionKernel::for_format(&p.format)),
                     data_bytes: layout.data_bytes,
-                    slot_bytes: layout.slot_bytes,
                 },
             );
         }
@@ -807,7 +807,7 @@ fn acquire_error(layer: u32, stashed: Option<ExecutorError>, e: ExpertError) -> 
 }
 
 /// The [`FusedExperts`] runner for `options`, checked against every layer's
-/// experts when the family is `Fused`.
+/// experts when the family is `Fused` or `FusedSimt`.
 fn kernels_for(
     specs: &HashMap<(u32, u32), ExpertSpec>,
     options: ExecutorOptions,
@@ -820,7 +820,8 @@ fn kernels_for(
     };
     let first_layer = specs.keys().map(|&(l, _)| l).min().unwrap_or(0);
     let kernels = FusedExperts::new(family).map_err(|e| setup(first_layer, e))?;
-    if family == KernelFamily::Fused && options.fused_max_rows > 0 {
+    if matches!(family, KernelFamily::Fused | KernelFamily::FusedSimt) && options.fused_max_rows > 0
+    {
         let mut by_layer: BTreeMap<u32, Vec<[ProjectionLayout; 3]>> = BTreeMap::new();
         for (&(layer, _), spec) in specs {
             by_layer.entry(layer).or_default().push(spec.projections);
@@ -852,8 +853,8 @@ fn fused_group(
     let rows = routes.rows();
     let n = batch.len();
     let mut w = vec![0f32; rows * n];
-    let mut views = Vec::with_capacity(n);
-    for (j, &(i, entry, spec)) in batch.iter().enumerate() {
+    let mut places = Vec::with_capacity(n);
+    for (j, &(i, entry, _)) in batch.iter().enumerate() {
         let expert = entry.expert;
         let job = &wave[i];
         for (&r, &k) in job.rows.iter().zip(&job.ranks) {
@@ -873,25 +874,30 @@ fn fused_group(
                 })?;
             *cell = weight;
         }
-        let len = i32::try_from(spec.slot_bytes).map_err(|_| ExecutorError::Layout {
+        // The kernels read the slot inside its arena: no view per expert.
+        let slot_err = |source| ExecutorError::Slot {
             layer,
             expert,
-            message: format!("{} slot bytes exceed i32", spec.slot_bytes),
+            source,
+        };
+        store.check(entry.handle).map_err(slot_err)?;
+        let (arena, offset) = store.location(entry.handle.slot).map_err(slot_err)?;
+        let bytes = store.arena(arena).ok_or_else(|| ExecutorError::Layout {
+            layer,
+            expert,
+            message: format!(
+                "slot {} names arena {arena}, which does not exist",
+                entry.handle.slot
+            ),
         })?;
-        let bytes = store
-            .view(entry.handle, 0, &[len], Dtype::Uint8)
-            .map_err(|source| ExecutorError::Slot {
-                layer,
-                expert,
-                source,
-            })?;
-        views.push(bytes);
+        places.push((bytes, offset));
     }
-    let slots: Vec<ExpertSlot<'_>> = views
+    let slots: Vec<ExpertSlot<'_>> = places
         .iter()
         .zip(batch)
-        .map(|(bytes, (_, _, spec))| ExpertSlot {
+        .map(|(&(bytes, offset), (_, _, spec))| ExpertSlot {
             bytes,
+            offset,
             projections: &spec.projections,
         })
         .collect();

@@ -12,7 +12,8 @@ use common::rng;
 use glm_stream::experts::SlotLayout;
 use glm_stream::experts::layout::{ExpertExtents, ProjectionFormat, TensorExtent};
 use glm_stream::kernels::{
-    Environment, ExpertSlot, FusedExperts, FusedGeometry, KernelError, KernelFamily, Path, select,
+    Environment, ExpertSlot, FusedExperts, FusedGeometry, FusedKernel, KernelError, KernelFamily,
+    Path, select,
 };
 use glm_stream::mlx::{self, Array, Device, Dtype, KernelBackend};
 use rand::Rng;
@@ -28,6 +29,14 @@ struct Fmt {
 const Q4_G64: Fmt = Fmt {
     bits: 4,
     group: Some(64),
+};
+const Q4_G32: Fmt = Fmt {
+    bits: 4,
+    group: Some(32),
+};
+const Q4_G128: Fmt = Fmt {
+    bits: 4,
+    group: Some(128),
 };
 const Q4_ROW: Fmt = Fmt {
     bits: 4,
@@ -212,11 +221,53 @@ impl Problem {
             .collect()
     }
 
+    /// Every expert's slot bytes copied into one arena at 4 KiB-aligned
+    /// offsets (in reverse order, so slot i is not at offset i · stride).
+    fn arena(&self) -> (Array, Vec<usize>) {
+        let stride = self
+            .experts
+            .iter()
+            .map(|e| e.bytes.len().div_ceil(4096) * 4096)
+            .max()
+            .unwrap_or(4096);
+        let n = self.experts.len();
+        let mut bytes = vec![0u8; stride * n + 4096];
+        let mut offsets = Vec::with_capacity(n);
+        for (i, e) in self.experts.iter().enumerate() {
+            let at = 4096 + (n - 1 - i) * stride;
+            bytes[at..at + e.bytes.len()].copy_from_slice(&e.bytes);
+            offsets.push(at);
+        }
+        let a = Array::from_bytes(&bytes, &[bytes.len() as i32], Dtype::Uint8).unwrap();
+        (a, offsets)
+    }
+
     fn run(&self, runner: &FusedExperts, dtype: Dtype) -> Result<Vec<f32>, KernelError> {
+        self.run_slots(runner, dtype, &self.slots())
+    }
+
+    /// `run` with the experts read from one arena (slot + offset inputs).
+    fn run_in_arena(&self, runner: &FusedExperts, dtype: Dtype) -> Result<Vec<f32>, KernelError> {
+        let (arena, offsets) = self.arena();
+        let slots: Vec<ExpertSlot<'_>> = self
+            .experts
+            .iter()
+            .zip(&offsets)
+            .map(|(e, &o)| ExpertSlot::in_arena(&arena, o, &e.layout))
+            .collect();
+        self.run_slots(runner, dtype, &slots)
+    }
+
+    fn run_slots(
+        &self,
+        runner: &FusedExperts,
+        dtype: Dtype,
+        slots: &[ExpertSlot<'_>],
+    ) -> Result<Vec<f32>, KernelError> {
         let x =
             Array::from_slice(&self.x, &[self.rows as i32, self.hidden as i32])?.astype(dtype)?;
         let w = Array::from_slice(&self.w, &[self.rows as i32, self.experts.len() as i32])?;
-        let y = runner.forward(&x, &self.slots(), &w)?;
+        let y = runner.forward(&x, slots, &w)?;
         assert_eq!(y.shape(), vec![self.rows as i32, self.hidden as i32]);
         assert_eq!(y.dtype(), dtype);
         Ok(y.astype(Dtype::Float32)?.to_vec::<f32>()?)
@@ -295,7 +346,17 @@ fn selection_rules() {
         select::select(Fused, &env(cuda, true), 1, &unfit),
         Err(KernelError::Unsupported { .. })
     ));
+    // FusedSimt selects like Fused.
+    assert_eq!(
+        select::select(FusedSimt, &env(cuda, true), 3, &ok).unwrap(),
+        fused
+    );
+    assert!(matches!(
+        select::select(FusedSimt, &env(cuda, true), 1, &unfit),
+        Err(KernelError::Unsupported { .. })
+    ));
     assert_eq!("auto".parse::<KernelFamily>().unwrap(), Auto);
+    assert_eq!("fused-simt".parse::<KernelFamily>().unwrap(), FusedSimt);
     assert!("fast".parse::<KernelFamily>().is_err());
 }
 
@@ -334,6 +395,51 @@ fn geometry_limits() {
     }
     assert!(FusedGeometry::plan(&[l, other], select::CUDA_SHARED_BYTES).is_err());
     assert!(FusedGeometry::plan(&[], select::CUDA_SHARED_BYTES).is_err());
+}
+
+#[test]
+fn tensor_cores_for_int4_on_cuda_unless_pinned_off() {
+    let cuda = Some(KernelBackend::Cuda);
+    let q4 = Problem::new(3, Q4_G64, 2, 1, 256, 128);
+    let q8 = Problem::new(4, Q8_ROW, 2, 1, 256, 128);
+    let plan = |p: &Problem| {
+        let layouts: Vec<_> = p.experts.iter().map(|e| e.layout.projections).collect();
+        FusedGeometry::plan(&layouts, select::CUDA_SHARED_BYTES).unwrap()
+    };
+    let (g4, g8) = (plan(&q4), plan(&q8));
+    assert!(g4.tensor_cores);
+    assert!(!g8.tensor_cores);
+    let fused = FusedExperts::with_environment(KernelFamily::Fused, env(cuda, true)).unwrap();
+    let simt = FusedExperts::with_environment(KernelFamily::FusedSimt, env(cuda, true)).unwrap();
+    let auto = FusedExperts::with_environment(KernelFamily::Auto, env(cuda, true)).unwrap();
+    assert_eq!(
+        fused.fused_kernel(KernelBackend::Cuda, &g4),
+        FusedKernel::TensorCore
+    );
+    assert_eq!(
+        auto.fused_kernel(KernelBackend::Cuda, &g4),
+        FusedKernel::TensorCore
+    );
+    assert_eq!(
+        simt.fused_kernel(KernelBackend::Cuda, &g4),
+        FusedKernel::CudaCore
+    );
+    assert_eq!(
+        fused.fused_kernel(KernelBackend::Cuda, &g8),
+        FusedKernel::CudaCore
+    );
+    assert_eq!(
+        fused.fused_kernel(KernelBackend::Metal, &g4),
+        FusedKernel::CudaCore
+    );
+    // The tensor-core staging (whole 128-column chunks: 6272 floats per row
+    // here, against 6208 for the CUDA-core kernels) bounds the rows per launch.
+    let mut l = q4.experts[0].layout.projections;
+    l[0].format = format(Q4_G32, 2048, 6144 + 32);
+    l[1].format = l[0].format;
+    l[2].format = format(Q4_G32, 6144 + 32, 2048);
+    let g = FusedGeometry::plan(&[l], 4 * 6272 * 3 - 4).unwrap();
+    assert_eq!(g.rows_per_launch, 2);
 }
 
 #[test]
@@ -405,6 +511,37 @@ fn stock_matches_reference_on_small_glm_like_shapes() {
     assert!(err < 1e-4, "group 16: {err:e}");
 }
 
+/// Slots given as (arena, offset) compute exactly what their own views do
+/// (same ops on the same bytes), and a misaligned or out-of-range offset is
+/// refused before any MLX work.
+#[test]
+fn slots_inside_an_arena_match_slot_views() {
+    let runner = FusedExperts::with_environment(KernelFamily::Stock, env(None, false)).unwrap();
+    let p = Problem::new(7, Q4_G64, 3, 2, 256, 128);
+    let a = p.run(&runner, Dtype::Float32).unwrap();
+    let b = p.run_in_arena(&runner, Dtype::Float32).unwrap();
+    assert_eq!(a, b);
+    assert!(rel_err(&a, &p.reference()) < 1e-4);
+    let (arena, offsets) = p.arena();
+    let x = Array::from_slice(&p.x, &[2, 256]).unwrap();
+    let w = Array::from_slice(&p.w, &[2, 3]).unwrap();
+    for bad in [offsets[0] + 8, arena.dim(0).unwrap() as usize + 4096] {
+        let slots: Vec<ExpertSlot<'_>> = p
+            .experts
+            .iter()
+            .zip(&offsets)
+            .enumerate()
+            .map(|(i, (e, &o))| {
+                ExpertSlot::in_arena(&arena, if i == 0 { bad } else { o }, &e.layout)
+            })
+            .collect();
+        assert!(matches!(
+            runner.forward(&x, &slots, &w),
+            Err(KernelError::Input(_))
+        ));
+    }
+}
+
 #[test]
 fn bad_inputs_are_errors() {
     let runner = FusedExperts::new(KernelFamily::Auto).unwrap();
@@ -435,18 +572,21 @@ fn bad_inputs_are_errors() {
     assert!(y.to_vec::<f32>().unwrap().iter().all(|v| *v == 0.0));
 }
 
-/// GLM-5.2 shapes on the GPU: fused vs stock vs the f64 reference.
-/// Tolerances (max |Δ| / max |ref|): f32 fused 1e-4 and f32 stock 1e-3
-/// (different f32 summation orders over 6144- and 2048-long dots), bf16
-/// input/output 2e-2 (bf16 rounding of x, of y and, on the stock path, of
-/// every intermediate).
+/// GLM-5.2 shapes on the GPU: both fused designs (tensor cores, CUDA
+/// cores) vs stock vs the f64 reference.
+/// Tolerances (max |Δ| / max |ref|): f32 fused 1e-4 (the tensor-core kernels
+/// carry x and h as bf16 hi + lo, 16 significant bits, and accumulate in
+/// f32: about 2e-6 expected) and f32 stock 1e-3 (different f32 summation
+/// orders over 6144- and 2048-long dots), bf16 input/output 2e-2 (bf16
+/// rounding of x, of y and, on the stock path, of every intermediate).
 #[test]
 fn fused_matches_stock_and_reference_on_the_gpu() {
     if !gpu_fused_available() {
         eprintln!("no fused backend on a GPU default device: GPU comparison skipped");
         return;
     }
-    let fused = FusedExperts::new(KernelFamily::Fused).unwrap();
+    let tensor = FusedExperts::new(KernelFamily::Fused).unwrap();
+    let simt = FusedExperts::new(KernelFamily::FusedSimt).unwrap();
     let stock = FusedExperts::new(KernelFamily::Stock).unwrap();
     let (hidden, inter) = (6144, 2048);
     let mut seed = 100;
@@ -457,27 +597,41 @@ fn fused_matches_stock_and_reference_on_the_gpu() {
         (Q4_G64, 8, 8, Dtype::Float32),
         (Q4_G64, 8, 11, Dtype::Float32),
         (Q4_G64, 1, 1, Dtype::Float32),
+        (Q4_G64, 3, 2, Dtype::Float32),
         (Q4_G64, 8, 1, Dtype::Bfloat16),
+        (Q4_G128, 8, 1, Dtype::Float32),
         (Q4_ROW, 8, 1, Dtype::Float32),
         (Q4_ROW, 8, 4, Dtype::Float32),
         (Q8_ROW, 8, 1, Dtype::Float32),
         (Q8_ROW, 1, 3, Dtype::Float32),
     ];
-    println!("format  E  M  dtype     fused/ref   stock/ref   fused/stock");
+    println!("format  E  M  dtype     tensor/ref  simt/ref    stock/ref   tensor/stock");
     for (f, n, rows, dtype) in cases {
         seed += 1;
         let p = Problem::new(seed, f, n, rows, hidden, inter);
-        assert!(matches!(
-            fused.path(rows, &p.slots()).unwrap(),
-            Path::Fused(_)
-        ));
-        let yf = p.run(&fused, dtype).unwrap();
+        for runner in [&tensor, &simt] {
+            assert!(matches!(
+                runner.path(rows, &p.slots()).unwrap(),
+                Path::Fused(_)
+            ));
+        }
+        let yt = p.run(&tensor, dtype).unwrap();
+        let yf = p.run(&simt, dtype).unwrap();
+        // The same experts read from one arena (slot + offset inputs): the
+        // same kernels on the same bytes, so the same bits.
+        assert_eq!(p.run_in_arena(&tensor, dtype).unwrap(), yt);
+        assert_eq!(p.run_in_arena(&simt, dtype).unwrap(), yf);
         let ys = p.run(&stock, dtype).unwrap();
         let r = p.reference();
         let ys64: Vec<f64> = ys.iter().map(|v| *v as f64).collect();
-        let (ef, es, efs) = (rel_err(&yf, &r), rel_err(&ys, &r), rel_err(&yf, &ys64));
+        let (et, ef, es, ets) = (
+            rel_err(&yt, &r),
+            rel_err(&yf, &r),
+            rel_err(&ys, &r),
+            rel_err(&yt, &ys64),
+        );
         println!(
-            "{:>3}b {:>4}  {n}  {rows:>2} {dtype:?}  {ef:10.3e}  {es:10.3e}  {efs:10.3e}",
+            "{:>3}b {:>4}  {n}  {rows:>2} {dtype:?}  {et:10.3e}  {ef:10.3e}  {es:10.3e}  {ets:10.3e}",
             f.bits,
             f.group.map_or("row".to_string(), |g| format!("g{g}"))
         );
@@ -487,12 +641,72 @@ fn fused_matches_stock_and_reference_on_the_gpu() {
             (2e-2, 2e-2)
         };
         assert!(
+            et < tf,
+            "{f:?} E {n} M {rows} {dtype:?}: tensor-core fused vs reference {et:e}"
+        );
+        assert!(
             ef < tf,
-            "{f:?} E {n} M {rows} {dtype:?}: fused vs reference {ef:e}"
+            "{f:?} E {n} M {rows} {dtype:?}: CUDA-core fused vs reference {ef:e}"
         );
         assert!(
             es < ts,
             "{f:?} E {n} M {rows} {dtype:?}: stock vs reference {es:e}"
         );
     }
+}
+
+/// Widths that are multiples of 32 but not of 128 (a partial last
+/// tensor-core chunk), group sizes 32 and per row, on the GPU, against the
+/// f64 reference only (MLX's CUDA `quantized_matmul` lacks kernels for some
+/// of these small shapes). Same 1e-4 bound as above.
+#[test]
+fn fused_handles_partial_chunks_on_the_gpu() {
+    if !gpu_fused_available() {
+        eprintln!("no fused backend on a GPU default device: GPU comparison skipped");
+        return;
+    }
+    let tensor = FusedExperts::new(KernelFamily::Fused).unwrap();
+    let simt = FusedExperts::new(KernelFamily::FusedSimt).unwrap();
+    let mut seed = 300;
+    for (f, hidden, inter, n, rows) in [
+        (Q4_G32, 352, 224, 3, 1),
+        (Q4_G32, 96, 160, 2, 5),
+        (Q4_ROW, 352, 224, 4, 2),
+        (Q4_G64, 192, 320, 8, 1),
+    ] {
+        seed += 1;
+        let p = Problem::new(seed, f, n, rows, hidden, inter);
+        let r = p.reference();
+        for (name, runner) in [("tensor", &tensor), ("simt", &simt)] {
+            let y = p.run(runner, Dtype::Float32).unwrap();
+            let e = rel_err(&y, &r);
+            println!("{name} {f:?} H {hidden} I {inter} E {n} M {rows}: {e:.3e}");
+            assert!(
+                e < 1e-4,
+                "{name} {f:?} H {hidden} I {inter} E {n} M {rows}: {e:e}"
+            );
+        }
+    }
+}
+
+/// One compiled kernel pair per row count, whatever the number of experts
+/// per call: a decode whose waves vary in size compiles nothing new after
+/// its first wave of each size bucket (slot inputs padded to 8, 16, …).
+#[test]
+fn fused_kernels_are_shared_across_expert_counts_on_the_gpu() {
+    if !gpu_fused_available() {
+        eprintln!("no fused backend on a GPU default device: GPU check skipped");
+        return;
+    }
+    let runner = FusedExperts::new(KernelFamily::Fused).unwrap();
+    for n in 1..=8 {
+        let p = Problem::new(400 + n as u64, Q4_G64, n, 1, 256, 128);
+        let y = p.run(&runner, Dtype::Float32).unwrap();
+        let e = rel_err(&y, &p.reference());
+        assert!(e < 1e-4, "E {n}: {e:e}");
+        assert_eq!(runner.compiled_kernels(), 2, "after E = {n}");
+    }
+    let p = Problem::new(409, Q4_G64, 9, 1, 256, 128);
+    p.run(&runner, Dtype::Float32).unwrap();
+    assert_eq!(runner.compiled_kernels(), 4, "16 slot inputs from E = 9");
 }

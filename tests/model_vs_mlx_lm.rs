@@ -16,6 +16,7 @@ use common::tiny_model::{
     Fixture, argmax_gap, build, decode, oracle, prompt, row_rel_error, test_options,
 };
 use glm_stream::convert::{Bits, ConvertOptions};
+use glm_stream::kernels::KernelFamily;
 use glm_stream::model::{Glm52Model, ModelError, ModelOptions};
 use glm_stream::tiny::TinyModelSpec;
 
@@ -208,6 +209,33 @@ fn bad_input_is_a_typed_error() {
         model.forward(&[1], &mut cache, false),
         Err(ModelError::ContextOverflow { start: 16, .. })
     ));
+    // Without a fused backend on a GPU: a pinned `Fused` fails at open
+    // (nothing half-built), and `Stock` is what `Auto` runs (same logits).
+    let env = glm_stream::kernels::Environment::current();
+    if env.fused_backend.is_none() || !env.gpu_default {
+        let fused = Glm52Model::open(
+            &f.model,
+            &ModelOptions {
+                kernel_family: KernelFamily::Fused,
+                ..test_options()
+            },
+        );
+        let message = fused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(message.contains("fused"), "{message}");
+        let logits = |family: KernelFamily| {
+            let mut m = Glm52Model::open(
+                &f.model,
+                &ModelOptions {
+                    kernel_family: family,
+                    ..test_options()
+                },
+            )
+            .unwrap();
+            let mut c = m.new_cache();
+            m.forward(&[1, 2, 3], &mut c, false).unwrap()
+        };
+        assert_eq!(logits(KernelFamily::Stock), logits(KernelFamily::Auto));
+    }
     // Another architecture.
     let config = f.model.join("config.json");
     let text = std::fs::read_to_string(&config).unwrap();

@@ -1,28 +1,33 @@
 //! The CUDA sources of the fused expert kernels (compiled by MLX with NVRTC
 //! on first use; see [`super::fused`] for the launch geometry).
+//!
+//! Two designs: the tensor-core kernels (`swiglu_mma_*.cu`, int4 gate/up and
+//! down) and the CUDA-core kernels (`swiglu_*.cu`, int4 and int8; the design
+//! the Metal twin follows line for line).
 
 use super::fused::KernelSources;
 
-/// Helpers placed before the kernels (`glm_chunk_dot`, `glm_warp_sum`).
-const HEADER: &str = include_str!("swiglu_header.cu");
-/// K1: gate/up projections and SwiGLU, one expert per `blockIdx.y`.
-const GATE_UP: &str = include_str!("swiglu_gate_up.cu");
-/// K2: down projections and the routing-weighted sum over experts.
-const DOWN: &str = include_str!("swiglu_down.cu");
+/// The CUDA-core kernels: helpers, K1 (gate/up + SwiGLU), K2 (down).
+pub(super) const SOURCES: KernelSources = KernelSources {
+    header: include_str!("swiglu_header.cu"),
+    gate_up: include_str!("swiglu_gate_up.cu"),
+    down: include_str!("swiglu_down.cu"),
+    slot_prologue,
+};
 
-/// Declares `slots[EXPERTS]` from the per-expert inputs `e0 … e{n-1}`.
-fn slot_prologue(experts: usize) -> String {
-    let list: Vec<String> = (0..experts).map(|e| format!("e{e}")).collect();
+/// The tensor-core int4 kernels (`mma.sync` m16n8k16, bf16 in, f32 out).
+pub(super) const MMA_SOURCES: KernelSources = KernelSources {
+    header: include_str!("swiglu_mma_header.cu"),
+    gate_up: include_str!("swiglu_mma_gate_up.cu"),
+    down: include_str!("swiglu_mma_down.cu"),
+    slot_prologue,
+};
+
+/// Declares `slots[n]` from the slot inputs `e0 … e{n-1}`.
+fn slot_prologue(inputs: usize) -> String {
+    let list: Vec<String> = (0..inputs).map(|e| format!("e{e}")).collect();
     format!(
-        "const uint8_t* const slots[EXPERTS] = {{{}}};\n",
+        "const uint8_t* const slots[{inputs}] = {{{}}};\n",
         list.join(", ")
     )
 }
-
-/// The CUDA kernel texts.
-pub(super) const SOURCES: KernelSources = KernelSources {
-    header: HEADER,
-    gate_up: GATE_UP,
-    down: DOWN,
-    slot_prologue,
-};

@@ -4,11 +4,21 @@
 //! `[E, 6]` and the `E` slot byte arrays, and writes `h` `[E, m, I]`.
 //!
 //! K2 (down + weighted sum) differs per backend. CUDA: one block row per
-//! expert (`blockIdx.y`), each staging only its expert's `h`, the experts'
-//! weighted outputs meeting in the zero-filled `y` `[m, H]` through atomic
-//! adds (any number of experts per launch). Metal: every expert in each
-//! threadgroup, `h` of up to `E'` experts staged (as many as fit), groups
-//! beyond that summed with MLX adds.
+//! expert (`blockIdx.y`), each staging only its expert's `h` and writing its
+//! routing-weighted output `[E, m, H]`, summed over experts by MLX (a fixed
+//! order, so results never depend on scheduling). Metal: every expert in
+//! each threadgroup, `h` of up to `E'` experts staged (as many as fit),
+//! groups beyond that summed with MLX adds.
+//!
+//! On CUDA, int4 experts run on the tensor-core kernels
+//! ([`FusedKernel::TensorCore`], `swiglu_mma_*.cu`) unless the CUDA-core
+//! ones are pinned; int8 experts always take the CUDA-core kernels.
+//!
+//! The slot arrays are kernel inputs `e0 … e{n-1}`; `n` is the expert count
+//! rounded up to a power of two, at least 8 (padding repeats the first slot),
+//! and the CUDA kernels read the expert count from the grid, so one compiled
+//! kernel serves every wave size up to `n`: a decode compiles one variant per
+//! row count, not one per (rows, experts) pair.
 //!
 //! Rows beyond [`FusedGeometry::rows_per_launch`] are split into launches.
 //! The CUDA kernels' rows per warp and chunks per step come from a
@@ -22,12 +32,21 @@ use crate::mlx::{
     self, Array, Dtype, Kernel, KernelBackend, KernelSpec, LaunchConfig, OutputSpec, TemplateArg,
 };
 
-use super::select::{FusedGeometry, staged_floats};
+use super::select::{FusedGeometry, mma_staged_floats, staged_floats};
 use super::{ExpertSlot, KernelError, Result};
 
 /// Threads per block / threadgroup: 8 warps (simdgroups) of 32.
 const THREADS: i32 = 256;
 const WARPS: i32 = THREADS / 32;
+/// Intermediate rows per warp of the tensor-core K1 (MMA rows 0–7 gate,
+/// 8–15 up).
+const MMA_GATE_UP_ROWS: i32 = 8;
+/// Output rows per warp of the tensor-core K2 (the 16 MMA rows).
+const MMA_DOWN_ROWS: i32 = 16;
+/// Chunks per lane and step of the tensor-core kernels unless pinned.
+const MMA_DEFAULT_UNROLL: u32 = 2;
+/// Slot inputs of a kernel are padded to at least this many.
+const MIN_SLOT_INPUTS: usize = 8;
 /// Intermediate rows per warp in the Metal K1 (gate and up each).
 const METAL_GATE_UP_ROWS: u32 = 4;
 /// Output rows per warp in the Metal K2.
@@ -49,12 +68,14 @@ pub struct FusedTuning {
 }
 
 impl FusedTuning {
-    /// The default for `rows` input rows, from the H200 sweep of
-    /// benches/RESULTS.md (16 layers of 8 GLM-5.2 experts per eval): one row
-    /// per warp in K1 at M = 1 (the most blocks), four from M = 3 on (each
-    /// decoded weight serves more products); four rows per warp in K2 up to
-    /// M = 4, two beyond (registers). Two chunks per step never helped by
-    /// more than the noise.
+    /// The CUDA-core kernels' default for `rows` input rows, from the H200
+    /// sweep of benches/RESULTS.md (16 layers of 8 GLM-5.2 experts per
+    /// eval): one row per warp in K1 at M = 1 (the most blocks), four from
+    /// M = 3 on (each decoded weight serves more products); four rows per
+    /// warp in K2 up to M = 4, two beyond (registers). Two chunks per step
+    /// never helped by more than the noise. The tensor-core kernels have
+    /// fixed rows per warp (8 + 8 in K1, 16 in K2) and take only the unrolls
+    /// from a pinned tuning (default 2 and 2, the best of the H200 sweep).
     pub fn for_rows(rows: usize) -> Self {
         let (gate_up_rows, down_rows) = match rows {
             0 | 1 => (1, 4),
@@ -103,10 +124,21 @@ pub(super) struct KernelSources {
     pub slot_prologue: fn(usize) -> String,
 }
 
-fn sources(backend: KernelBackend) -> &'static KernelSources {
-    match backend {
-        KernelBackend::Cuda => &super::cuda::SOURCES,
-        KernelBackend::Metal => &super::metal::SOURCES,
+/// Which fused kernels run a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FusedKernel {
+    /// CUDA, int4: `mma.sync` m16n8k16 with bf16 weights (`n − 8`, exact)
+    /// and activations split into bf16 hi + lo, f32 accumulation.
+    TensorCore,
+    /// The CUDA-core kernels (int4 and int8; the Metal twin's design).
+    CudaCore,
+}
+
+fn sources(backend: KernelBackend, kind: FusedKernel) -> &'static KernelSources {
+    match (backend, kind) {
+        (KernelBackend::Cuda, FusedKernel::TensorCore) => &super::cuda::MMA_SOURCES,
+        (KernelBackend::Cuda, FusedKernel::CudaCore) => &super::cuda::SOURCES,
+        (KernelBackend::Metal, _) => &super::metal::SOURCES,
     }
 }
 
@@ -116,37 +148,58 @@ enum Stage {
     Down,
 }
 
-/// Identifies one compiled kernel: the source depends on the stage and the
-/// expert count, the dynamic shared memory on the staged sizes; the other
-/// parameters are template arguments (part of MLX's own cache key).
+/// Identifies one compiled kernel: the source depends on the backend, the
+/// design, the stage and the number of slot inputs, the dynamic shared
+/// memory on the staged sizes; the other parameters are template arguments
+/// (part of MLX's own cache key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct KernelKey {
     /// True for Metal, false for CUDA (`KernelBackend` is not `Hash`).
     metal: bool,
+    kind: FusedKernel,
     stage: Stage,
-    experts: usize,
+    slot_inputs: usize,
     shared_bytes: usize,
 }
 
 type Cache = RefCell<HashMap<KernelKey, Rc<Kernel>>>;
 
+/// Slot inputs of a launch over `arrays` distinct byte arrays (arenas or
+/// slot views): a power of two, at least [`MIN_SLOT_INPUTS`], so calls
+/// share compiled kernels.
+fn slot_inputs(arrays: usize) -> usize {
+    arrays.max(MIN_SLOT_INPUTS).next_power_of_two()
+}
+
 fn kernel(cache: &Cache, backend: KernelBackend, key: KernelKey) -> Result<Rc<Kernel>> {
     if let Some(k) = cache.borrow().get(&key) {
         return Ok(Rc::clone(k));
     }
-    let src = sources(backend);
-    let (stage_name, body, first_inputs, output) = match key.stage {
-        Stage::GateUp => ("gate_up", src.gate_up, ["x", "offs"].as_slice(), "h"),
-        Stage::Down => ("down", src.down, ["h", "wts", "offs"].as_slice(), "y"),
+    let src = sources(backend, key.kind);
+    let tensor = key.kind == FusedKernel::TensorCore;
+    let (stage_name, body, first_inputs, outputs): (_, _, &[&str], &[&str]) = match key.stage {
+        Stage::GateUp if tensor => ("gate_up", src.gate_up, &["x", "offs"], &["h", "cnt"]),
+        Stage::GateUp => ("gate_up", src.gate_up, &["x", "offs"], &["h"]),
+        Stage::Down if tensor => (
+            "down",
+            src.down,
+            &["h", "wts", "offs", "cnt"],
+            &["y", "part"],
+        ),
+        Stage::Down => ("down", src.down, &["h", "wts", "offs"], &["y"]),
+    };
+    let design = match key.kind {
+        FusedKernel::TensorCore => "mma",
+        FusedKernel::CudaCore => "simt",
     };
     let name = format!(
-        "glm_swiglu_{stage_name}_e{}_s{}",
-        key.experts, key.shared_bytes
+        "glm_swiglu_{design}_{stage_name}_n{}_s{}",
+        key.slot_inputs, key.shared_bytes
     );
-    let slot_names: Vec<String> = (0..key.experts).map(|e| format!("e{e}")).collect();
+    let slot_names: Vec<String> = (0..key.slot_inputs).map(|e| format!("e{e}")).collect();
     let mut inputs: Vec<&str> = first_inputs.to_vec();
     inputs.extend(slot_names.iter().map(String::as_str));
-    let source = format!("{}{}", (src.slot_prologue)(key.experts), body);
+    let source = format!("{}{}", (src.slot_prologue)(key.slot_inputs), body);
     let shared = match backend {
         KernelBackend::Cuda => {
             u32::try_from(key.shared_bytes).map_err(|_| KernelError::Unsupported {
@@ -160,7 +213,7 @@ fn kernel(cache: &Cache, backend: KernelBackend, key: KernelKey) -> Result<Rc<Ke
         &KernelSpec {
             name: &name,
             input_names: &inputs,
-            output_names: &[output],
+            output_names: outputs,
             source: &source,
             header: src.header,
             ensure_row_contiguous: true,
@@ -178,33 +231,68 @@ fn int(name: &str, v: usize) -> Result<(String, TemplateArg)> {
     Ok((name.to_string(), TemplateArg::Int(v)))
 }
 
-/// Template arguments shared by both stages (`UNROLL` is read by the CUDA
-/// kernels only).
-#[allow(clippy::too_many_arguments)]
+/// One launch's shape: which kernels, rows per warp, chunks per step and
+/// the staged floats per block.
+#[derive(Debug, Clone, Copy)]
+struct Launch {
+    kind: FusedKernel,
+    rows_per_warp: i32,
+    unroll: u32,
+    smem_floats: usize,
+}
+
+/// Template arguments of a stage. CUDA reads the expert count from the grid
+/// (so it is not a template argument there); the Metal kernels loop over
+/// `EXPERTS`. `ROWS`, `BITS` and `SMEM_FLOATS` are unused by the tensor-core
+/// kernels and left out for them.
 fn template(
+    backend: KernelBackend,
     g: &FusedGeometry,
     experts: usize,
     rows: usize,
     stage: Stage,
-    smem_floats: usize,
-    rows_per_warp: u32,
-    unroll: u32,
+    launch: &Launch,
+) -> Result<Vec<(String, TemplateArg)>> {
+    template_with(backend, g, experts, rows, stage, launch, None)
+}
+
+/// [`template`] plus, for the tensor-core kernels, whether the activation
+/// (`x` in K1, `y` in K2) is bf16 (`XBF16` / `YBF16`).
+fn template_with(
+    backend: KernelBackend,
+    g: &FusedGeometry,
+    experts: usize,
+    rows: usize,
+    stage: Stage,
+    launch: &Launch,
+    bf16: Option<bool>,
 ) -> Result<Vec<(String, TemplateArg)>> {
     let f = match stage {
         Stage::GateUp => g.gate_up,
         Stage::Down => g.down,
     };
-    Ok(vec![
-        int("EXPERTS", experts)?,
-        int("TOKENS", rows)?,
-        int("HIDDEN", g.hidden)?,
-        int("INTER", g.inter)?,
-        int("BITS", usize::from(f.bits))?,
-        int("GROUP", f.group_size.map_or(0, |v| v as usize))?,
-        int("ROWS", rows_per_warp as usize)?,
-        int("UNROLL", unroll as usize)?,
-        int("SMEM_FLOATS", smem_floats)?,
-    ])
+    let mut args = Vec::with_capacity(9);
+    if backend == KernelBackend::Metal {
+        args.push(int("EXPERTS", experts)?);
+    }
+    args.push(int("TOKENS", rows)?);
+    args.push(int("HIDDEN", g.hidden)?);
+    args.push(int("INTER", g.inter)?);
+    args.push(int("GROUP", f.group_size.map_or(0, |v| v as usize))?);
+    args.push(int("UNROLL", launch.unroll as usize)?);
+    if launch.kind == FusedKernel::CudaCore || backend == KernelBackend::Metal {
+        args.push(int("BITS", usize::from(f.bits))?);
+        args.push(int("ROWS", launch.rows_per_warp as usize)?);
+        args.push(int("SMEM_FLOATS", launch.smem_floats)?);
+    }
+    if let Some(b) = bf16 {
+        let name = match stage {
+            Stage::GateUp => "XBF16",
+            Stage::Down => "YBF16",
+        };
+        args.push(int(name, usize::from(b))?);
+    }
+    Ok(args)
 }
 
 fn blocks(rows: usize, rows_per_block: i32) -> Result<i32> {
@@ -217,113 +305,298 @@ fn blocks(rows: usize, rows_per_block: i32) -> Result<i32> {
         })
 }
 
+/// The slot inputs of a launch: the distinct byte arrays, padded by
+/// repeating the first to [`slot_inputs`] arrays.
+fn padded_slots<'a>(slots: &[&'a Array]) -> Vec<&'a Array> {
+    let n = slot_inputs(slots.len());
+    let mut v = slots.to_vec();
+    if let Some(&first) = slots.first() {
+        v.resize(n, first);
+    }
+    v
+}
+
 /// K1: `h [E, m, I]` for the rows of `x` (`[m, H]`, f32).
 fn gate_up(
     cache: &Cache,
     backend: KernelBackend,
     g: &FusedGeometry,
-    tuning: &FusedTuning,
+    launch: &Launch,
     x: &Array,
     offs: &Array,
     slots: &[&Array],
 ) -> Result<Array> {
-    let (experts, rows) = (slots.len(), x.dim(0)? as usize);
-    let (floats, rows_per_warp, unroll) = match backend {
-        KernelBackend::Cuda => (rows * g.hidden, tuning.gate_up_rows, tuning.gate_up_unroll),
-        KernelBackend::Metal => (
-            rows * staged_floats(g.hidden, g.gate_up.bits),
-            METAL_GATE_UP_ROWS,
-            1,
-        ),
-    };
+    let (experts, rows) = (offs.dim(0)? as usize, x.dim(0)? as usize);
+    let slot_arrays = padded_slots(slots);
     let k = kernel(
         cache,
         backend,
         KernelKey {
             metal: backend == KernelBackend::Metal,
+            kind: launch.kind,
             stage: Stage::GateUp,
-            experts,
-            shared_bytes: floats * 4,
+            slot_inputs: slot_arrays.len(),
+            shared_bytes: launch.smem_floats * 4,
         },
     )?;
     let mut inputs: Vec<&Array> = vec![x, offs];
-    inputs.extend_from_slice(slots);
-    let launch = LaunchConfig {
+    inputs.extend_from_slice(&slot_arrays);
+    let config = LaunchConfig {
         grid: [
-            blocks(g.inter, WARPS * rows_per_warp as i32)?,
+            blocks(g.inter, WARPS * launch.rows_per_warp)?,
             experts as i32,
             1,
         ],
         threadgroup: [THREADS, 1, 1],
-        template: template(
-            g,
-            experts,
-            rows,
-            Stage::GateUp,
-            floats,
-            rows_per_warp,
-            unroll,
-        )?,
+        template: template(backend, g, experts, rows, Stage::GateUp, launch)?,
         init_value: None,
     };
     let out = OutputSpec {
         shape: vec![experts as i32, rows as i32, g.inter as i32],
         dtype: Dtype::Float32,
     };
-    Ok(k.call(&inputs, &[out], &launch)?.remove(0))
+    Ok(k.call(&inputs, &[out], &config)?.remove(0))
 }
 
-/// K2: `y [m, H]` from `h` (`[E, m, I]`) and weights (`[m, E]`, f32).
+/// K2 from `h` (`[E, m, I]`) and weights (`[m, E]`, f32): CUDA returns the
+/// per-expert weighted outputs `[E, m, H]`, Metal their sum `[m, H]`.
 #[allow(clippy::too_many_arguments)]
 fn down(
     cache: &Cache,
     backend: KernelBackend,
     g: &FusedGeometry,
-    tuning: &FusedTuning,
+    launch: &Launch,
     h: &Array,
     weights: &Array,
     offs: &Array,
     slots: &[&Array],
 ) -> Result<Array> {
-    let (experts, rows) = (slots.len(), weights.dim(0)? as usize);
+    let (experts, rows) = (offs.dim(0)? as usize, weights.dim(0)? as usize);
     let cuda = backend == KernelBackend::Cuda;
-    let (floats, rows_per_warp, unroll) = if cuda {
-        (rows * g.inter, tuning.down_rows, tuning.down_unroll)
-    } else {
-        (
-            experts * rows * staged_floats(g.inter, g.down.bits),
-            METAL_DOWN_ROWS,
-            1,
-        )
-    };
+    let slot_arrays = padded_slots(slots);
     let k = kernel(
         cache,
         backend,
         KernelKey {
-            metal: backend == KernelBackend::Metal,
+            metal: !cuda,
+            kind: launch.kind,
             stage: Stage::Down,
-            experts,
-            shared_bytes: floats * 4,
+            slot_inputs: slot_arrays.len(),
+            shared_bytes: launch.smem_floats * 4,
         },
     )?;
     let mut inputs: Vec<&Array> = vec![h, weights, offs];
-    inputs.extend_from_slice(slots);
-    let launch = LaunchConfig {
+    inputs.extend_from_slice(&slot_arrays);
+    let config = LaunchConfig {
         grid: [
-            blocks(g.hidden, WARPS * rows_per_warp as i32)?,
+            blocks(g.hidden, WARPS * launch.rows_per_warp)?,
             if cuda { experts as i32 } else { 1 },
             1,
         ],
         threadgroup: [THREADS, 1, 1],
-        template: template(g, experts, rows, Stage::Down, floats, rows_per_warp, unroll)?,
-        // CUDA: the experts add into a zero-filled output.
-        init_value: cuda.then_some(0.0),
+        template: template(backend, g, experts, rows, Stage::Down, launch)?,
+        init_value: None,
+    };
+    let shape = if cuda {
+        vec![experts as i32, rows as i32, g.hidden as i32]
+    } else {
+        vec![rows as i32, g.hidden as i32]
     };
     let out = OutputSpec {
-        shape: vec![rows as i32, g.hidden as i32],
+        shape,
         dtype: Dtype::Float32,
     };
-    Ok(k.call(&inputs, &[out], &launch)?.remove(0))
+    let y = k.call(&inputs, &[out], &config)?.remove(0);
+    Ok(if cuda { y.sum(&[0], false)? } else { y })
+}
+
+/// Tensor-core K1: `h [E, m, I]` (f32) and K2's zeroed completion counters
+/// from `x` (`[m, H]`, f32 or bf16).
+fn gate_up_tensor(
+    cache: &Cache,
+    g: &FusedGeometry,
+    launch: &Launch,
+    x: &Array,
+    offs: &Array,
+    slots: &[&Array],
+) -> Result<(Array, Array)> {
+    let (experts, rows) = (offs.dim(0)? as usize, x.dim(0)? as usize);
+    let slot_arrays = padded_slots(slots);
+    let k = kernel(
+        cache,
+        KernelBackend::Cuda,
+        KernelKey {
+            metal: false,
+            kind: FusedKernel::TensorCore,
+            stage: Stage::GateUp,
+            slot_inputs: slot_arrays.len(),
+            shared_bytes: launch.smem_floats * 4,
+        },
+    )?;
+    let mut inputs: Vec<&Array> = vec![x, offs];
+    inputs.extend_from_slice(&slot_arrays);
+    let bf16 = x.dtype() == Dtype::Bfloat16;
+    let config = LaunchConfig {
+        grid: [
+            blocks(g.inter, WARPS * launch.rows_per_warp)?,
+            experts as i32,
+            1,
+        ],
+        threadgroup: [THREADS, 1, 1],
+        template: template_with(
+            KernelBackend::Cuda,
+            g,
+            experts,
+            rows,
+            Stage::GateUp,
+            launch,
+            Some(bf16),
+        )?,
+        init_value: None,
+    };
+    let outs = [
+        OutputSpec {
+            shape: vec![experts as i32, rows as i32, g.inter as i32],
+            dtype: Dtype::Float32,
+        },
+        OutputSpec {
+            shape: vec![down_blocks(g)?],
+            dtype: Dtype::Uint32,
+        },
+    ];
+    let mut r = k.call(&inputs, &outs, &config)?;
+    let cnt = r.remove(1);
+    Ok((r.remove(0), cnt))
+}
+
+/// Tensor-core K2's blocks (row ranges), one completion counter each.
+fn down_blocks(g: &FusedGeometry) -> Result<i32> {
+    Ok(blocks(g.hidden, WARPS * MMA_DOWN_ROWS)? / THREADS)
+}
+
+/// Tensor-core K2: `y [m, H]` in `dtype` (f32 or bf16), the experts' parts
+/// summed in expert order inside the kernel.
+#[allow(clippy::too_many_arguments)]
+fn down_tensor(
+    cache: &Cache,
+    g: &FusedGeometry,
+    launch: &Launch,
+    h: &Array,
+    weights: &Array,
+    offs: &Array,
+    cnt: &Array,
+    slots: &[&Array],
+    dtype: Dtype,
+) -> Result<Array> {
+    let (experts, rows) = (offs.dim(0)? as usize, weights.dim(0)? as usize);
+    let slot_arrays = padded_slots(slots);
+    let k = kernel(
+        cache,
+        KernelBackend::Cuda,
+        KernelKey {
+            metal: false,
+            kind: FusedKernel::TensorCore,
+            stage: Stage::Down,
+            slot_inputs: slot_arrays.len(),
+            shared_bytes: launch.smem_floats * 4,
+        },
+    )?;
+    let mut inputs: Vec<&Array> = vec![h, weights, offs, cnt];
+    inputs.extend_from_slice(&slot_arrays);
+    let config = LaunchConfig {
+        grid: [
+            blocks(g.hidden, WARPS * launch.rows_per_warp)?,
+            experts as i32,
+            1,
+        ],
+        threadgroup: [THREADS, 1, 1],
+        template: template_with(
+            KernelBackend::Cuda,
+            g,
+            experts,
+            rows,
+            Stage::Down,
+            launch,
+            Some(dtype == Dtype::Bfloat16),
+        )?,
+        init_value: None,
+    };
+    let outs = [
+        OutputSpec {
+            shape: vec![rows as i32, g.hidden as i32],
+            dtype,
+        },
+        OutputSpec {
+            shape: vec![experts as i32, rows as i32, g.hidden as i32],
+            dtype: Dtype::Float32,
+        },
+    ];
+    Ok(k.call(&inputs, &outs, &config)?.remove(0))
+}
+
+/// The launch shapes of K1 and K2 for `rows` rows.
+fn launches(
+    backend: KernelBackend,
+    kind: FusedKernel,
+    g: &FusedGeometry,
+    tuning: Option<&FusedTuning>,
+    rows: usize,
+    experts: usize,
+) -> (Launch, Launch) {
+    match (backend, kind) {
+        (KernelBackend::Cuda, FusedKernel::TensorCore) => {
+            let (u1, u2) = tuning.map_or((MMA_DEFAULT_UNROLL, MMA_DEFAULT_UNROLL), |t| {
+                (t.gate_up_unroll, t.down_unroll)
+            });
+            (
+                Launch {
+                    kind,
+                    rows_per_warp: MMA_GATE_UP_ROWS,
+                    unroll: u1,
+                    smem_floats: rows * mma_staged_floats(g.hidden),
+                },
+                Launch {
+                    kind,
+                    rows_per_warp: MMA_DOWN_ROWS,
+                    unroll: u2,
+                    smem_floats: rows * mma_staged_floats(g.inter),
+                },
+            )
+        }
+        (KernelBackend::Cuda, FusedKernel::CudaCore) => {
+            let t = tuning
+                .copied()
+                .unwrap_or_else(|| FusedTuning::for_rows(rows));
+            (
+                Launch {
+                    kind,
+                    rows_per_warp: t.gate_up_rows as i32,
+                    unroll: t.gate_up_unroll,
+                    smem_floats: rows * g.hidden,
+                },
+                Launch {
+                    kind,
+                    rows_per_warp: t.down_rows as i32,
+                    unroll: t.down_unroll,
+                    smem_floats: rows * g.inter,
+                },
+            )
+        }
+        (KernelBackend::Metal, _) => (
+            Launch {
+                kind: FusedKernel::CudaCore,
+                rows_per_warp: METAL_GATE_UP_ROWS as i32,
+                unroll: 1,
+                smem_floats: rows * staged_floats(g.hidden, g.gate_up.bits),
+            },
+            Launch {
+                kind: FusedKernel::CudaCore,
+                rows_per_warp: METAL_DOWN_ROWS as i32,
+                unroll: 1,
+                smem_floats: experts * rows * staged_floats(g.inter, g.down.bits),
+            },
+        ),
+    }
 }
 
 /// The fused forward (inputs already checked, geometry planned).
@@ -331,6 +604,7 @@ fn down(
 pub(super) fn forward(
     cache: &Cache,
     backend: KernelBackend,
+    kind: FusedKernel,
     g: &FusedGeometry,
     tuning: Option<&FusedTuning>,
     x: &Array,
@@ -344,20 +618,43 @@ pub(super) fn forward(
             a.astype(Dtype::Float32)?
         })
     };
-    let (x32, w32) = (to_f32(x)?, to_f32(weights)?);
-    let mut offsets = Vec::with_capacity(experts.len() * 6);
+    let tensor = kind == FusedKernel::TensorCore && backend == KernelBackend::Cuda;
+    // The tensor-core kernels read f32 or bf16 activations as they are.
+    let x_in = if tensor && matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16) {
+        x.clone()
+    } else {
+        to_f32(x)?
+    };
+    let w32 = to_f32(weights)?;
+    // Kernel inputs: each distinct byte array once (experts of one arena
+    // share it), and per expert [input, gate w, gate s, up w, up s, down w,
+    // down s, pad] as byte offsets into that input.
+    let mut slots: Vec<&Array> = Vec::new();
+    let mut offsets: Vec<i64> = Vec::with_capacity(experts.len() * 8);
     for e in experts {
+        let input = match slots.iter().position(|a| std::ptr::eq(*a, e.bytes)) {
+            Some(i) => i,
+            None => {
+                slots.push(e.bytes);
+                slots.len() - 1
+            }
+        };
+        offsets.push(input as i64);
         for p in e.projections {
             for v in [p.weight_offset, p.scale_offset] {
-                offsets.push(i32::try_from(v).map_err(|_| KernelError::Unsupported {
-                    reason: format!("slot offset {v} exceeds i32"),
-                })?);
+                let at = v
+                    .checked_add(e.offset)
+                    .and_then(|a| i64::try_from(a).ok())
+                    .ok_or_else(|| KernelError::Unsupported {
+                        reason: format!("slot offset {} + {v} exceeds i64", e.offset),
+                    })?;
+                offsets.push(at);
             }
         }
+        offsets.push(0);
     }
     let n = experts.len() as i32;
-    let offs = Array::from_slice(&offsets, &[n, 6])?;
-    let slots: Vec<&Array> = experts.iter().map(|e| e.bytes).collect();
+    let offs = Array::from_slice(&offsets, &[n, 8])?;
     let rows = x.dim(0)? as usize;
     let hidden = g.hidden as i32;
     let mut parts = Vec::new();
@@ -365,30 +662,47 @@ pub(super) fn forward(
         let m = g.rows_per_launch.min(rows - start);
         let (r0, r1) = (start as i32, (start + m) as i32);
         let (xc, wc) = if m == rows {
-            (x32.clone(), w32.clone())
+            (x_in.clone(), w32.clone())
         } else {
             (
-                x32.slice(&[r0, 0], &[r1, hidden], &[1, 1])?,
+                x_in.slice(&[r0, 0], &[r1, hidden], &[1, 1])?,
                 w32.slice(&[r0, 0], &[r1, n], &[1, 1])?,
             )
         };
-        let t = tuning.copied().unwrap_or_else(|| FusedTuning::for_rows(m));
-        let h = gate_up(cache, backend, g, &t, &xc, &offs, &slots)?;
+        if tensor {
+            let (k1, k2) = launches(backend, kind, g, tuning, m, experts.len());
+            let (h, cnt) = gate_up_tensor(cache, g, &k1, &xc, &offs, &slots)?;
+            parts.push(down_tensor(
+                cache,
+                g,
+                &k2,
+                &h,
+                &wc,
+                &offs,
+                &cnt,
+                &slots,
+                x_in.dtype(),
+            )?);
+            continue;
+        }
         let per = match backend {
             KernelBackend::Cuda => experts.len(),
             KernelBackend::Metal => g.experts_per_down(m),
         };
+        let (k1, _) = launches(backend, kind, g, tuning, m, experts.len());
+        let h = gate_up(cache, backend, g, &k1, &xc, &offs, &slots)?;
         let mut y: Option<Array> = None;
         for e0 in (0..experts.len()).step_by(per) {
             let e1 = (e0 + per).min(experts.len());
+            let (_, k2) = launches(backend, kind, g, tuning, m, e1 - e0);
             let part = if e0 == 0 && e1 == experts.len() {
-                down(cache, backend, g, &t, &h, &wc, &offs, &slots)?
+                down(cache, backend, g, &k2, &h, &wc, &offs, &slots)?
             } else {
                 let (a, b) = (e0 as i32, e1 as i32);
                 let hg = h.slice(&[a, 0, 0], &[b, m as i32, g.inter as i32], &[1, 1, 1])?;
                 let wg = wc.slice(&[0, a], &[m as i32, b], &[1, 1])?;
-                let og = offs.slice(&[a, 0], &[b, 6], &[1, 1])?;
-                down(cache, backend, g, &t, &hg, &wg, &og, &slots[e0..e1])?
+                let og = offs.slice(&[a, 0], &[b, 8], &[1, 1])?;
+                down(cache, backend, g, &k2, &hg, &wg, &og, &slots)?
             };
             y = Some(match y {
                 Some(acc) => acc.add(&part)?,
@@ -406,7 +720,7 @@ pub(super) fn forward(
             mlx::concatenate(&refs, 0)?
         }
     };
-    Ok(if x.dtype() == Dtype::Float32 {
+    Ok(if y.dtype() == x.dtype() {
         y
     } else {
         y.astype(x.dtype())?

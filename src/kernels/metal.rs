@@ -12,11 +12,12 @@ const HEADER: &str = include_str!("swiglu_header.metal");
 const GATE_UP: &str = include_str!("swiglu_gate_up.metal");
 const DOWN: &str = include_str!("swiglu_down.metal");
 
-/// Declares `slots[EXPERTS]` from the per-expert inputs `e0 … e{n-1}`.
-fn slot_prologue(experts: usize) -> String {
-    let list: Vec<String> = (0..experts).map(|e| format!("e{e}")).collect();
+/// Declares `slots[n]` from the slot inputs `e0 … e{n-1}` (at least
+/// `EXPERTS` of them; padding repeats the first).
+fn slot_prologue(inputs: usize) -> String {
+    let list: Vec<String> = (0..inputs).map(|e| format!("e{e}")).collect();
     format!(
-        "device const uint8_t* slots[EXPERTS] = {{{}}};\n",
+        "device const uint8_t* slots[{inputs}] = {{{}}};\n",
         list.join(", ")
     )
 }

@@ -21,26 +21,36 @@
 //!   `quantized_matmul` on zero-copy views of the slot bytes (int4 as
 //!   `uint32 [O, I/8]` with biases `−8·scales`, int8 via `xor 0x80` and 8-bit
 //!   affine, exactly as the streamed executor does), then the weighted sum.
-//! * **Fused** ([`Path::Fused`]): two custom kernels. K1 (`swiglu_gate_up.cu`)
-//!   runs gate and up of all experts in one launch (one expert per
-//!   `blockIdx.y`, 8 warps × R rows per block), streaming 16-byte chunks of
-//!   the weights (`ld.global.nc`, not kept in L1) with `x` staged in shared
-//!   memory as float4s, and writes `h = silu(g)·u` (f32 `[E, M, I]`). Each
-//!   weight word is decoded once and used for all M rows and each staged
-//!   `x` word once for all 2R weight rows. K2 (`swiglu_down.cu`) runs one
-//!   expert per `blockIdx.y`, stages only that expert's `h` and adds its
-//!   routing-weighted down projection into the zero-filled `y` with atomic
-//!   adds (so the order of the sum over experts is not fixed: results may
-//!   differ in the last bits from run to run). Accumulation is f32; int4 is
-//!   `(n − 8)·scale` (group scales applied per 32-column chunk, per-row
-//!   scales at the end), int8 is `q·scale` per row. Rows per warp and chunks
-//!   per step come from [`FusedTuning`] (per row count, measured on the
-//!   H200). The CUDA sources are compiled by MLX (NVRTC) on first use and
-//!   cached per (stage, E, M, format, dims, launch shape); the Metal twin
-//!   (`*.metal`) keeps the earlier design (K2 over all experts per
-//!   threadgroup, no tuning) and is **untested** (no Mac).
+//! * **Fused** ([`Path::Fused`]): two custom kernels per call. K1 runs
+//!   gate and up of all experts in one launch (one expert per `blockIdx.y`)
+//!   and writes `h = silu(g)·u` (f32 `[E, M, I]`); K2 runs one expert per
+//!   `blockIdx.y`, stages that expert's `h` and writes its routing-weighted
+//!   down projection (`[E, M, H]`), which MLX sums over experts in a fixed
+//!   order (results do not depend on scheduling). Weights stream in 16-byte
+//!   chunks (`ld.global.nc`, not kept in L1) and each weight is decoded once
+//!   for all M rows. Two designs ([`FusedKernel`]):
+//!   - **tensor cores** (CUDA, int4; `swiglu_mma_*.cu`): `mma.sync`
+//!     m16n8k16 with the nibbles turned into exact bf16 `n − 8` (two per
+//!     `lop3` + `fma.bf16x2`), the activations split into bf16 `hi + lo`
+//!     (16 significant bits, exact for bf16 inputs) and f32 accumulation;
+//!     each lane applies its own 32 columns' group scale to the MMA result.
+//!     K1 gives each warp 8 intermediate rows (MMA rows 0–7 gate, 8–15 up),
+//!     K2 16 output rows.
+//!   - **CUDA cores** (`swiglu_gate_up.cu`, `swiglu_down.cu`; int4 and
+//!     int8): nibbles / bytes decoded to f32 and FMA'd per lane, `x` staged
+//!     as float4s; rows per warp and chunks per step from [`FusedTuning`].
+//!     Int8 (MTP) experts always take this design.
 //!
-//! [`KernelFamily`] pins a path: `Stock`, `Fused` (an error when this build
+//!   Accumulation is f32; int4 is `(n − 8)·scale` (group scales per 32- or
+//!   128-column piece, per-row scales at the end), int8 `q·scale` per row.
+//!   The CUDA sources are compiled by MLX (NVRTC) on first use and cached
+//!   per (design, stage, M, format, dims, launch shape); the expert count is
+//!   read from the grid and the slot inputs padded to a power of two (≥ 8),
+//!   so wave sizes share kernels. The Metal twin (`*.metal`) follows the
+//!   CUDA-core design (K2 summing all experts per threadgroup, no tuning)
+//!   and is **untested** (no Mac).
+//!
+//! [`KernelFamily`] pins a path: `Stock`, `Fused` / `FusedSimt` (an error when this build
 //! or device cannot run it, never a silent fallback) or `Auto` (fused on a
 //! GPU build with a GPU default device and at most [`select::AUTO_MAX_ROWS`]
 //! rows, stock otherwise). See [`select`] for the rules.
@@ -66,9 +76,9 @@ use std::collections::HashMap;
 
 use crate::experts::SlotLayout;
 use crate::experts::layout::ProjectionLayout;
-use crate::mlx::{Array, Dtype, MlxError};
+use crate::mlx::{Array, Dtype, KernelBackend, MlxError};
 
-pub use fused::FusedTuning;
+pub use fused::{FusedKernel, FusedTuning};
 pub use select::{Environment, FusedGeometry, Path};
 
 /// An error from the expert kernels.
@@ -102,8 +112,13 @@ pub type Result<T, E = KernelError> = std::result::Result<T, E>;
 pub enum KernelFamily {
     /// MLX `quantized_matmul` per expert and projection (always available).
     Stock,
-    /// The fused kernels; calls fail when they cannot run.
+    /// The fused kernels (on CUDA the tensor-core ones for int4 experts);
+    /// calls fail when they cannot run.
     Fused,
+    /// The fused kernels without tensor cores (the CUDA-core design the
+    /// Metal twin follows; the same as `Fused` on Metal and for int8): for
+    /// benches and comparisons.
+    FusedSimt,
     /// Fused where available and suitable (GPU, few rows), else stock.
     #[default]
     Auto,
@@ -116,28 +131,44 @@ impl std::str::FromStr for KernelFamily {
         match s.to_ascii_lowercase().as_str() {
             "stock" => Ok(Self::Stock),
             "fused" => Ok(Self::Fused),
+            "fused-simt" => Ok(Self::FusedSimt),
             "auto" => Ok(Self::Auto),
             other => Err(KernelError::Input(format!(
-                "unknown kernel family `{other}` (stock, fused, auto)"
+                "unknown kernel family `{other}` (stock, fused, fused-simt, auto)"
             ))),
         }
     }
 }
 
-/// One expert of a call: its slot bytes and where its projections sit.
+/// One expert of a call: the bytes holding its slot and where its
+/// projections sit.
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertSlot<'a> {
-    /// The slot's bytes, a 1-D `uint8` array starting at the slot base.
+    /// A 1-D `uint8` array holding the slot: the slot's own view, or the
+    /// whole arena it lives in (no view per expert to build; experts of one
+    /// arena share one kernel input).
     pub bytes: &'a Array,
-    /// Gate, up, down (a [`SlotLayout`]'s `projections`).
+    /// Byte offset of the slot in `bytes` (16-byte aligned; 0 for a slot
+    /// view).
+    pub offset: usize,
+    /// Gate, up, down (a [`SlotLayout`]'s `projections`), relative to the
+    /// slot.
     pub projections: &'a [ProjectionLayout; 3],
 }
 
 impl<'a> ExpertSlot<'a> {
-    /// The expert in `bytes` laid out as `layout`.
+    /// The expert in `bytes` (its slot's view) laid out as `layout`.
     pub fn new(bytes: &'a Array, layout: &'a SlotLayout) -> Self {
+        Self::in_arena(bytes, 0, layout)
+    }
+
+    /// The expert whose slot starts `offset` bytes into `arena` (e.g.
+    /// [`SlabStore::arena`](crate::experts::SlabStore::arena) and
+    /// [`SlabStore::location`](crate::experts::SlabStore::location)).
+    pub fn in_arena(arena: &'a Array, offset: usize, layout: &'a SlotLayout) -> Self {
         Self {
-            bytes,
+            bytes: arena,
+            offset,
             projections: &layout.projections,
         }
     }
@@ -164,7 +195,9 @@ impl FusedExperts {
     /// A runner with an explicit environment (tests; forcing the stock path
     /// off a GPU default device).
     pub fn with_environment(family: KernelFamily, environment: Environment) -> Result<Self> {
-        if family == KernelFamily::Fused && environment.fused_backend.is_none() {
+        if matches!(family, KernelFamily::Fused | KernelFamily::FusedSimt)
+            && environment.fused_backend.is_none()
+        {
             return Err(KernelError::FusedUnavailable {
                 reason: select::unavailable_reason(),
             });
@@ -190,6 +223,12 @@ impl FusedExperts {
     /// The pinned launch shape, if any.
     pub fn tuning(&self) -> Option<FusedTuning> {
         self.tuning
+    }
+
+    /// How many fused kernels this runner has compiled (one per design,
+    /// stage, row count, format and launch shape; not per expert count).
+    pub fn compiled_kernels(&self) -> usize {
+        self.kernels.borrow().len()
     }
 
     /// The requested family.
@@ -237,9 +276,11 @@ impl FusedExperts {
             Path::Stock => stock::forward(x, experts, weights),
             Path::Fused(backend) => {
                 let geometry = geometry.map_err(|reason| KernelError::Unsupported { reason })?;
+                let kind = self.fused_kernel(backend, &geometry);
                 fused::forward(
                     &self.kernels,
                     backend,
+                    kind,
                     &geometry,
                     self.tuning.as_ref(),
                     x,
@@ -247,6 +288,21 @@ impl FusedExperts {
                     weights,
                 )
             }
+        }
+    }
+}
+
+impl FusedExperts {
+    /// The fused design a call on `backend` with `geometry` runs: tensor
+    /// cores on CUDA for int4 experts unless `FusedSimt` is pinned.
+    pub fn fused_kernel(&self, backend: KernelBackend, geometry: &FusedGeometry) -> FusedKernel {
+        if backend == KernelBackend::Cuda
+            && geometry.tensor_cores
+            && self.family != KernelFamily::FusedSimt
+        {
+            FusedKernel::TensorCore
+        } else {
+            FusedKernel::CudaCore
         }
     }
 }
@@ -290,6 +346,12 @@ fn check_inputs(x: &Array, experts: &[ExpertSlot<'_>], weights: &Array) -> Resul
             ));
         }
         let len = bs[0] as usize;
+        if slot.offset % 16 != 0 || slot.offset >= len.max(1) {
+            return bad(format!(
+                "expert {e}: slot offset {} is not 16-byte aligned inside the {len} bytes",
+                slot.offset
+            ));
+        }
         let [g, u, d] = slot.projections.map(|p| p.format);
         if g.cols != hidden || u.cols != hidden || u.rows != g.rows {
             return bad(format!(
@@ -307,15 +369,18 @@ fn check_inputs(x: &Array, experts: &[ExpertSlot<'_>], weights: &Array) -> Resul
             let f = &p.format;
             let ends = f
                 .weight_bytes()
-                .and_then(|w| p.weight_offset.checked_add(w))
-                .zip(f.scale_bytes().and_then(|s| p.scale_offset.checked_add(s)));
+                .and_then(|w| p.weight_offset.checked_add(w)?.checked_add(slot.offset))
+                .zip(
+                    f.scale_bytes()
+                        .and_then(|s| p.scale_offset.checked_add(s)?.checked_add(slot.offset)),
+                );
             match ends {
                 Some((we, se)) if we <= len && se <= len => {}
                 _ => {
                     return bad(format!(
-                        "expert {e}: a projection at weight offset {} / scale offset {} runs \
-                         past the {len} slot bytes",
-                        p.weight_offset, p.scale_offset
+                        "expert {e}: a projection at weight offset {} / scale offset {} of the \
+                         slot at {} runs past the {len} bytes",
+                        p.weight_offset, p.scale_offset, slot.offset
                     ));
                 }
             }

@@ -13,9 +13,10 @@ use super::{KernelError, KernelFamily};
 
 /// `Auto` uses the fused kernels for at most this many input rows (decode
 /// and MTP verification batches); larger batches go to MLX's matmuls. On the
-/// H200, since each weight is decoded once for all rows, the fused layer is
-/// 3.1–3.9× stock at 1 row, 3.3× at 4 and 1.2× at 8 per single-layer eval
-/// (benches/RESULTS.md, `fused_experts`, 2026-11-30 kernels2).
+/// H200, since each weight is decoded once for all rows, the tensor-core
+/// layer is 5.3× stock at 1 row per single-layer eval and 5.8×, 4.4×, 2.4×
+/// at 2, 4, 8 rows with 16 layers per eval (benches/RESULTS.md,
+/// `fused_experts`, 2026-11-30 kernels3).
 pub const AUTO_MAX_ROWS: usize = 8;
 /// Most input rows one fused launch takes (the kernels keep `rows × 8`
 /// accumulators per lane in registers); more rows are split into launches.
@@ -82,6 +83,9 @@ pub struct FusedGeometry {
     pub rows_per_launch: usize,
     /// Shared-memory budget of the backend, bytes.
     pub shared_bytes: usize,
+    /// Whether the CUDA tensor-core kernels can run these experts (int4
+    /// gate, up and down).
+    pub tensor_cores: bool,
 }
 
 /// Columns one 16-byte chunk holds.
@@ -94,6 +98,12 @@ fn chunk_cols(bits: u8) -> usize {
 pub fn staged_floats(cols: usize, bits: u8) -> usize {
     let cpc = chunk_cols(bits);
     cpc * (cols / cpc + 1)
+}
+
+/// Floats the tensor-core kernels stage per input row of `cols` columns
+/// (bf16 hi + lo of every column, padded to whole 128-column chunks).
+pub fn mma_staged_floats(cols: usize) -> usize {
+    cols.div_ceil(128) * 128
 }
 
 fn check_format(name: &str, f: &ProjectionFormat) -> Result<(), String> {
@@ -158,8 +168,10 @@ impl FusedGeometry {
                 }
             }
         }
-        let per_row = 4 * staged_floats(hidden, g.bits);
-        let per_expert_row = 4 * staged_floats(inter, d.bits);
+        let tensor_cores = g.bits == 4 && d.bits == 4;
+        // Staged bytes per input row: the larger of the two designs' needs.
+        let per_row = 4 * staged_floats(hidden, g.bits).max(mma_staged_floats(hidden));
+        let per_expert_row = 4 * staged_floats(inter, d.bits).max(mma_staged_floats(inter));
         let rows_per_launch = MAX_ROWS_PER_LAUNCH
             .min(shared_bytes / per_row)
             .min(shared_bytes / per_expert_row);
@@ -176,6 +188,7 @@ impl FusedGeometry {
             down: d,
             rows_per_launch,
             shared_bytes,
+            tensor_cores,
         })
     }
 
@@ -197,8 +210,8 @@ pub fn shared_bytes(backend: KernelBackend) -> usize {
 /// Decides the path of one call with `rows` input rows. `fused` is the
 /// outcome of [`FusedGeometry::plan`] for the call's experts (on the
 /// environment's backend). `Stock` always runs stock; `Auto` runs fused when
-/// everything allows it and stock otherwise; `Fused` runs fused or fails
-/// saying why not.
+/// everything allows it and stock otherwise; `Fused` and `FusedSimt` run
+/// fused or fail saying why not.
 pub fn select(
     family: KernelFamily,
     env: &Environment,
@@ -211,7 +224,7 @@ pub fn select(
             (Some(b), Ok(_)) if env.gpu_default && rows <= AUTO_MAX_ROWS => Path::Fused(b),
             _ => Path::Stock,
         }),
-        KernelFamily::Fused => {
+        KernelFamily::Fused | KernelFamily::FusedSimt => {
             let backend = env
                 .fused_backend
                 .ok_or_else(|| KernelError::FusedUnavailable {

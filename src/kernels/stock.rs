@@ -148,11 +148,24 @@ pub(crate) fn dequantize_packed(
 /// `down(silu(gate·x) ⊙ up·x)` of one expert, in `x`'s dtype.
 pub(super) fn swiglu(x: &Array, slot: &ExpertSlot<'_>) -> Result<Array> {
     let dtype = x.dtype();
+    // Offsets in `slot.bytes` (the slot may sit inside an arena).
+    let shifted = |p: &ProjectionLayout| -> Result<ProjectionLayout> {
+        let at = |o: usize| {
+            o.checked_add(slot.offset)
+                .ok_or_else(|| KernelError::Input(format!("slot offset {} overflows", slot.offset)))
+        };
+        Ok(ProjectionLayout {
+            weight_offset: at(p.weight_offset)?,
+            scale_offset: at(p.scale_offset)?,
+            ..*p
+        })
+    };
     let [g, u, d] = slot.projections;
-    let gate = projection(slot.bytes, g, x, dtype)?;
-    let up = projection(slot.bytes, u, x, dtype)?;
+    let (g, u, d) = (shifted(g)?, shifted(u)?, shifted(d)?);
+    let gate = projection(slot.bytes, &g, x, dtype)?;
+    let up = projection(slot.bytes, &u, x, dtype)?;
     let h = gate.silu()?.multiply(&up)?;
-    projection(slot.bytes, d, &h, dtype)
+    projection(slot.bytes, &d, &h, dtype)
 }
 
 /// `Σ_e weights[:, e] · swiglu_e(x)` (inputs already checked).

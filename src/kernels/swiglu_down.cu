@@ -1,11 +1,10 @@
-// K2: y[m, n] += wts[m, e] * (down_e[n] . h[e, m]) for expert e = blockIdx.y.
-// Block = 8 warps, each warp ROWS output rows of one expert; the experts'
-// contributions meet in `y` through atomic adds (MLX zero-fills `y` first),
-// so the order of that sum over experts is not fixed.
-// Template ints: EXPERTS, TOKENS, HIDDEN, INTER, BITS, GROUP (0 = one scale
-// per row), ROWS, UNROLL.
-// Inputs: h f32 [EXPERTS, TOKENS, INTER], wts f32 [TOKENS, EXPERTS], offs i32
-// [EXPERTS, 6], e0.. slot bytes. Output: y f32 [TOKENS, HIDDEN]. `slots` is
+// K2: y[e, m, n] = wts[m, e] * (down_e[n] . h[e, m]) for expert e = blockIdx.y
+// (E = gridDim.y experts). Block = 8 warps, each warp ROWS output rows of one
+// expert; the experts' outputs are summed afterwards by MLX in a fixed order.
+// Template ints: TOKENS, HIDDEN, INTER, BITS, GROUP (0 = one scale per row),
+// ROWS, UNROLL.
+// Inputs: h f32 [E, TOKENS, INTER], wts f32 [TOKENS, E], offs i64 [E, 8],
+// the slot bytes. Output: y f32 [E, TOKENS, HIDDEN]. `slots` is
 // declared by the generated prologue. Dynamic shared memory: TOKENS * INTER
 // floats (this expert's h, see glm_stage).
 constexpr int CPC = 128 / BITS;
@@ -25,9 +24,9 @@ const int row0 = (blockIdx.x * (blockDim.x / 32) + warp) * ROWS;
 if (row0 >= HIDDEN) {
   return;
 }
-const int* off = offs + e * 6;
-const uint8_t* dw = slots[e] + off[4];
-const float* ds = reinterpret_cast<const float*>(slots[e] + off[5]);
+const int64_t* off = offs + e * 8 + 1;
+const uint8_t* dw = slots[offs[e * 8]] + off[4];
+const float* ds = reinterpret_cast<const float*>(slots[offs[e * 8]] + off[5]);
 int rows[ROWS];
 #pragma unroll
 for (int r = 0; r < ROWS; ++r) {
@@ -90,7 +89,7 @@ for (int r = 0; r < ROWS; ++r) {
   for (int m = 0; m < TOKENS; ++m) {
     const float v = glm_warp_sum(acc[r][m]);
     if (lane == 0 && row0 + r < HIDDEN) {
-      atomicAdd(y + static_cast<size_t>(m) * HIDDEN + row0 + r, v * rs * wts[m * EXPERTS + e]);
+      y[(static_cast<size_t>(e) * TOKENS + m) * HIDDEN + row0 + r] = v * rs * wts[m * gridDim.y + e];
     }
   }
 }

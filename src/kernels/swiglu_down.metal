@@ -39,9 +39,9 @@ for (int r = 0; r < ROWS; ++r) {
 }
 
 for (int e = 0; e < EXPERTS; ++e) {
-  device const int* off = offs + e * 6;
-  device const uint8_t* dw = slots[e] + off[4];
-  device const float* ds = (device const float*)(slots[e] + off[5]);
+  device const int64_t* off = offs + e * 8 + 1;
+  device const uint8_t* dw = slots[offs[e * 8]] + off[4];
+  device const float* ds = (device const float*)(slots[offs[e * 8]] + off[5]);
   float part[ROWS][TOKENS];
   for (int r = 0; r < ROWS; ++r) {
     for (int m = 0; m < TOKENS; ++m) {

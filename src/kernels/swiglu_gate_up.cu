@@ -2,11 +2,11 @@
 // Block = 8 warps, each warp ROWS intermediate rows of expert blockIdx.y;
 // each lane takes UNROLL chunks (16 bytes of each of the 2 * ROWS rows) per
 // step, so 2 * ROWS * UNROLL loads are in flight before any arithmetic.
-// Template ints: EXPERTS, TOKENS, HIDDEN, INTER, BITS, GROUP (0 = one scale
-// per row), ROWS, UNROLL.
-// Inputs: x f32 [TOKENS, HIDDEN], offs i32 [EXPERTS, 6] (slot byte offsets of
-// gate weight, gate scales, up weight, up scales, down weight, down scales),
-// e0.. slot bytes. Output: h f32 [EXPERTS, TOKENS, INTER]. `slots` is
+// Template ints: TOKENS, HIDDEN, INTER, BITS, GROUP (0 = one scale per row),
+// ROWS, UNROLL.
+// Inputs: x f32 [TOKENS, HIDDEN], offs i64 [E, 8] (per expert: its slot
+// input, then the byte offsets in it of gate weight, gate scales, up weight,
+// up scales, down weight, down scales; one pad), the slot inputs. Output: h f32 [E, TOKENS, INTER]. `slots` is
 // declared by the generated prologue. Dynamic shared memory: TOKENS * HIDDEN
 // floats (x, see glm_stage).
 constexpr int CPC = 128 / BITS;  // columns per 16-byte chunk
@@ -18,7 +18,7 @@ constexpr int NR = 2 * ROWS;                         // gate rows, then up rows
 
 extern __shared__ float4 glm_xs[];
 const int expert = blockIdx.y;
-const uint8_t* slot = slots[expert];
+const uint8_t* slot = slots[offs[expert * 8]];
 glm_stage<TOKENS, HIDDEN, CPC>(x, glm_xs);
 __syncthreads();
 
@@ -28,7 +28,7 @@ const int row0 = (blockIdx.x * (blockDim.x / 32) + warp) * ROWS;
 if (row0 >= INTER) {
   return;
 }
-const int* off = offs + expert * 6;
+const int64_t* off = offs + expert * 8 + 1;
 const uint8_t* wbase[2] = {slot + off[0], slot + off[2]};
 const float* sbase[2] = {reinterpret_cast<const float*>(slot + off[1]),
                          reinterpret_cast<const float*>(slot + off[3])};

@@ -13,7 +13,7 @@ constexpr int CPG = GROUP > 0 ? GROUP / CPC : 1;
 
 threadgroup float glm_xs[SMEM_FLOATS];
 const int expert = threadgroup_position_in_grid.y;
-device const uint8_t* slot = slots[expert];
+device const uint8_t* slot = slots[offs[expert * 8]];
 
 for (int idx = thread_index_in_threadgroup; idx < TOKENS * HIDDEN;
      idx += threads_per_threadgroup.x) {
@@ -31,7 +31,7 @@ const int row0 = (threadgroup_position_in_grid.x * (threads_per_threadgroup.x / 
 if (row0 >= INTER) {
   return;
 }
-device const int* off = offs + expert * 6;
+device const int64_t* off = offs + expert * 8 + 1;
 device const uint8_t* gw = slot + off[0];
 device const float* gs = (device const float*)(slot + off[1]);
 device const uint8_t* uw = slot + off[2];

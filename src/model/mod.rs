@@ -39,10 +39,11 @@ pub use cache::{LayerCache, ModelCache};
 pub use error::{ModelError, Site};
 
 use crate::container::{ColibriContainer, Glm52Config};
-use crate::executor::{StreamedExecutor, layouts_from_source};
+use crate::executor::{ExecutorOptions, StreamedExecutor, layouts_from_source};
 use crate::experts::{
     DirectUpload, FileExpertSource, PolicyConfig, ResidencyManager, RoutingTrace, SlabConfig,
 };
+use crate::kernels::KernelFamily;
 use crate::mlx::fast::rms_norm;
 use crate::mlx::{self, Array, Dtype, MlxError};
 use crate::resident::{Glm52WeightSource, ResidentOptions, ResidentWeights};
@@ -82,6 +83,11 @@ pub struct ModelOptions {
     /// Load the MTP layer (resident weights, routed experts through the
     /// executor) for speculative decoding (see [`mtp`]).
     pub include_mtp: bool,
+    /// How routed experts are computed: `Auto` (the fused kernels on a GPU
+    /// build for decode-sized waves, MLX's `quantized_matmul` otherwise),
+    /// or one family pinned (`Fused` / `FusedSimt` fail at open when this
+    /// build or device cannot run them).
+    pub kernel_family: KernelFamily,
 }
 
 impl Default for ModelOptions {
@@ -91,6 +97,7 @@ impl Default for ModelOptions {
             io_threads: 4,
             direct_io: true,
             include_mtp: false,
+            kernel_family: KernelFamily::Auto,
         }
     }
 }
@@ -669,7 +676,15 @@ fn expert_executor(
         Arc::new(DirectUpload),
         opts.io_threads.max(1),
     )?;
-    let executor = StreamedExecutor::new(manager, config.hidden_size, layouts)?;
+    let executor = StreamedExecutor::with_options(
+        manager,
+        config.hidden_size,
+        layouts,
+        ExecutorOptions {
+            kernel_family: opts.kernel_family,
+            ..ExecutorOptions::default()
+        },
+    )?;
     Ok(Some((executor, slots)))
 }
 

@@ -52,6 +52,7 @@ pub fn test_options() -> ModelOptions {
         io_threads: 2,
         direct_io: false,
         include_mtp: false,
+        ..ModelOptions::default()
     }
 }
 
