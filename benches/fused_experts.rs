@@ -23,6 +23,8 @@
 //!    device, and pinned host → the managed slot itself), loaded with
 //!    `dlopen` from the image.
 //!
+//! `--smoke`: only the one-row layer figures (1 and 16 layers per eval).
+//!
 //! `cargo bench --bench fused_experts --features cuda` (on a CPU build only
 //! the stock figures and the managed-write figures are produced).
 
@@ -294,11 +296,15 @@ fn layer_bench(pool: &Pool, rng: &mut Rng, hbm: f64, sweep: bool, quick: bool) -
         (4, TOP_K, 16),
         (8, TOP_K, 16),
     ];
-    let (runs, layers): (&[(usize, usize, usize)], usize) = if quick {
-        (&quick_runs, 160)
-    } else {
-        (&runs, 330)
-    };
+    let smoke_runs = [(1, TOP_K, 1), (1, TOP_K, 16)];
+    let (runs, layers): (&[(usize, usize, usize)], usize) =
+        if std::env::args().any(|a| a == "--smoke") {
+            (&smoke_runs, 160)
+        } else if quick {
+            (&quick_runs, 160)
+        } else {
+            (&runs, 330)
+        };
     for &(rows, experts, batch) in runs {
         println!("  -- M={rows}, E={experts}, {batch} call(s) per eval");
         let (s, s10, s90, se) = layer_time(pool, &stock, rows, experts, batch, layers, rng)?;
@@ -705,6 +711,16 @@ fn main() -> BenchResult<()> {
         mlx::default_device(),
         Environment::current().fused_backend
     );
+    if let Ok(f) = FusedExperts::new(KernelFamily::Fused) {
+        println!(
+            "fused kernels compiled by {}",
+            if f.compiles_with_nvrtc() {
+                "our NVRTC call (PTX to MLX's precompiled_cuda_kernel)"
+            } else {
+                "MLX's cuda_kernel"
+            }
+        );
+    }
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let gpu = mlx::default_device() == Device::Gpu;
     let flag = |f: &str| std::env::args().any(|a| a == f);
@@ -717,7 +733,9 @@ fn main() -> BenchResult<()> {
             layer_bench(&pool, &mut rng, hbm, flag("--sweep"), quick)?;
         }
         mlx::memory::clear_cache();
-        executor_bench(&mut rng, hbm, quick)?;
+        if !flag("--smoke") {
+            executor_bench(&mut rng, hbm, quick)?;
+        }
         if gpu {
             hbm_bandwidth()?;
         }

@@ -27,6 +27,13 @@ struct mlxs_kernel {
   mx::fast::CustomKernelFunction fn;
 };
 
+// A caller-compiled CUDA kernel: its entry point and PTX / cubin, kept so
+// calls pass them by reference instead of copying them each time.
+struct mlxs_cuda_binary {
+  std::string name;
+  std::string code;
+};
+
 struct mlxs_safetensors {
   std::vector<std::string> names;
   std::vector<Arr> arrays;
@@ -656,6 +663,51 @@ int mlxs_kernel_call(
     std::vector<Arr> r = k->fn(
         to_vec(inputs, n_in), shapes, dtypes, {grid[0], grid[1], grid[2]},
         {threadgroup[0], threadgroup[1], threadgroup[2]}, tmpl, init, false, {});
+    if (r.size() != n_out) {
+      throw std::runtime_error("kernel returned an unexpected number of outputs");
+    }
+    for (size_t i = 0; i < n_out; ++i) {
+      outs[i] = boxed(r[i]);
+    }
+  });
+}
+
+int mlxs_cuda_binary_new(
+    mlxs_cuda_binary** out, const char* name, const char* code, size_t code_len) {
+  return guarded([&] {
+    auto b = std::make_unique<mlxs_cuda_binary>();
+    b->name = name;
+    b->code.assign(code, code_len);
+    *out = b.release();
+  });
+}
+
+void mlxs_cuda_binary_free(mlxs_cuda_binary* b) { delete b; }
+
+// Launches a caller-compiled CUDA kernel (arguments: inputs then outputs).
+// MLX loads the module once per entry-point name.
+int mlxs_cuda_binary_call(
+    const mlxs_cuda_binary* b, const Arr* const* inputs, size_t n_in,
+    const int32_t* out_shapes_flat, const size_t* out_ndims, const int* out_dtypes,
+    size_t n_out, const int32_t* grid, const int32_t* threadgroup, int shared_memory,
+    int has_init, float init_value, int ensure_row_contiguous, Arr** outs) {
+  return guarded([&] {
+    std::vector<mx::Shape> shapes;
+    std::vector<mx::Dtype> dtypes;
+    size_t pos = 0;
+    for (size_t i = 0; i < n_out; ++i) {
+      shapes.push_back(to_shape(out_shapes_flat + pos, out_ndims[i]));
+      pos += out_ndims[i];
+      dtypes.push_back(to_dtype(out_dtypes[i]));
+    }
+    std::optional<float> init;
+    if (has_init != 0) {
+      init = init_value;
+    }
+    std::vector<Arr> r = mx::fast::precompiled_cuda_kernel(
+        b->name, b->code, to_vec(inputs, n_in), shapes,
+        dtypes, {}, {grid[0], grid[1], grid[2]}, {threadgroup[0], threadgroup[1], threadgroup[2]},
+        shared_memory, init, ensure_row_contiguous != 0, {});
     if (r.size() != n_out) {
       throw std::runtime_error("kernel returned an unexpected number of outputs");
     }

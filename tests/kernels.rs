@@ -658,7 +658,7 @@ fn fused_matches_stock_and_reference_on_the_gpu() {
 /// Widths that are multiples of 32 but not of 128 (a partial last
 /// tensor-core chunk), group sizes 32 and per row, on the GPU, against the
 /// f64 reference only (MLX's CUDA `quantized_matmul` lacks kernels for some
-/// of these small shapes). Same 1e-4 bound as above.
+/// of these small shapes). Same bounds as above (f32 1e-4, bf16 2e-2).
 #[test]
 fn fused_handles_partial_chunks_on_the_gpu() {
     if !gpu_fused_available() {
@@ -684,6 +684,14 @@ fn fused_handles_partial_chunks_on_the_gpu() {
             assert!(
                 e < 1e-4,
                 "{name} {f:?} H {hidden} I {inter} E {n} M {rows}: {e:e}"
+            );
+            // bf16 in and out (x and y rounded to bf16): the 2e-2 bound.
+            let y = p.run(runner, Dtype::Bfloat16).unwrap();
+            let e = rel_err(&y, &r);
+            println!("{name} {f:?} H {hidden} I {inter} E {n} M {rows} bf16: {e:.3e}");
+            assert!(
+                e < 2e-2,
+                "{name} bf16 {f:?} H {hidden} I {inter} E {n} M {rows}: {e:e}"
             );
         }
     }

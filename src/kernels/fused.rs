@@ -29,9 +29,11 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::mlx::{
-    self, Array, Dtype, Kernel, KernelBackend, KernelSpec, LaunchConfig, OutputSpec, TemplateArg,
+    self, Array, Dtype, Kernel, KernelBackend, KernelSpec, LaunchConfig, OutputSpec,
+    PrecompiledKernel, TemplateArg,
 };
 
+use super::nvrtc::Nvrtc;
 use super::select::{FusedGeometry, mma_staged_floats, staged_floats};
 use super::{ExpertSlot, KernelError, Result};
 
@@ -162,7 +164,56 @@ pub(super) struct KernelKey {
     shared_bytes: usize,
 }
 
-type Cache = RefCell<HashMap<KernelKey, Rc<Kernel>>>;
+/// One specialization of a kernel: its key, template values and parameter
+/// dtype codes (cheap to hash per call, unlike the source text).
+type Specialization = (KernelKey, Vec<i32>, Vec<i32>);
+
+/// Compiled kernels of one [`super::FusedExperts`]: MLX-compiled ones by
+/// key, and on CUDA, when NVRTC was opted into ([`Nvrtc::load`],
+/// `GLM_STREAM_NVRTC`), PTX we compiled ourselves per specialization (run
+/// through MLX's `precompiled_cuda_kernel`).
+pub(super) struct Compiler {
+    kernels: RefCell<HashMap<KernelKey, Rc<Kernel>>>,
+    ptx: RefCell<HashMap<Specialization, Rc<PrecompiledKernel>>>,
+    nvrtc: Option<Nvrtc>,
+}
+
+impl Compiler {
+    /// For `backend`: NVRTC is looked up for CUDA only (see [`Nvrtc::load`];
+    /// without it, the default, MLX compiles the kernels).
+    pub(super) fn new(backend: Option<KernelBackend>) -> Self {
+        let nvrtc = match backend {
+            Some(KernelBackend::Cuda) => match Nvrtc::load() {
+                Ok(n) => {
+                    tracing::debug!(?n, "fused kernels: compiling with NVRTC directly");
+                    Some(n)
+                }
+                Err(e) => {
+                    tracing::debug!(%e, "fused kernels: MLX compiles them");
+                    None
+                }
+            },
+            _ => None,
+        };
+        Self {
+            kernels: RefCell::new(HashMap::new()),
+            ptx: RefCell::new(HashMap::new()),
+            nvrtc,
+        }
+    }
+
+    /// Kernels compiled so far (either way).
+    pub(super) fn len(&self) -> usize {
+        self.kernels.borrow().len() + self.ptx.borrow().len()
+    }
+
+    /// Whether CUDA kernels are compiled here (NVRTC) rather than by MLX.
+    pub(super) fn uses_nvrtc(&self) -> bool {
+        self.nvrtc.is_some()
+    }
+}
+
+type Cache = Compiler;
 
 /// Slot inputs of a launch over `arrays` distinct byte arrays (arenas or
 /// slot views): a power of two, at least [`MIN_SLOT_INPUTS`], so calls
@@ -171,35 +222,55 @@ fn slot_inputs(arrays: usize) -> usize {
     arrays.max(MIN_SLOT_INPUTS).next_power_of_two()
 }
 
-fn kernel(cache: &Cache, backend: KernelBackend, key: KernelKey) -> Result<Rc<Kernel>> {
-    if let Some(k) = cache.borrow().get(&key) {
-        return Ok(Rc::clone(k));
-    }
+/// What a kernel is called and takes: base name, body (slot prologue
+/// included), header, input and output names.
+struct Signature {
+    name: String,
+    body: String,
+    header: &'static str,
+    inputs: Vec<String>,
+    outputs: &'static [&'static str],
+}
+
+fn signature(backend: KernelBackend, key: &KernelKey) -> Signature {
     let src = sources(backend, key.kind);
     let tensor = key.kind == FusedKernel::TensorCore;
-    let (stage_name, body, first_inputs, outputs): (_, _, &[&str], &[&str]) = match key.stage {
-        Stage::GateUp if tensor => ("gate_up", src.gate_up, &["x", "offs"], &["h", "cnt"]),
-        Stage::GateUp => ("gate_up", src.gate_up, &["x", "offs"], &["h"]),
-        Stage::Down if tensor => (
-            "down",
-            src.down,
-            &["h", "wts", "offs", "cnt"],
-            &["y", "part"],
-        ),
-        Stage::Down => ("down", src.down, &["h", "wts", "offs"], &["y"]),
-    };
+    let (stage_name, body, first_inputs, outputs): (_, _, &[&str], &'static [&'static str]) =
+        match key.stage {
+            Stage::GateUp if tensor => ("gate_up", src.gate_up, &["x", "offs"], &["h", "cnt"]),
+            Stage::GateUp => ("gate_up", src.gate_up, &["x", "offs"], &["h"]),
+            Stage::Down if tensor => (
+                "down",
+                src.down,
+                &["h", "wts", "offs", "cnt"],
+                &["y", "part"],
+            ),
+            Stage::Down => ("down", src.down, &["h", "wts", "offs"], &["y"]),
+        };
     let design = match key.kind {
         FusedKernel::TensorCore => "mma",
         FusedKernel::CudaCore => "simt",
     };
-    let name = format!(
-        "glm_swiglu_{design}_{stage_name}_n{}_s{}",
-        key.slot_inputs, key.shared_bytes
-    );
-    let slot_names: Vec<String> = (0..key.slot_inputs).map(|e| format!("e{e}")).collect();
-    let mut inputs: Vec<&str> = first_inputs.to_vec();
-    inputs.extend(slot_names.iter().map(String::as_str));
-    let source = format!("{}{}", (src.slot_prologue)(key.slot_inputs), body);
+    let mut inputs: Vec<String> = first_inputs.iter().map(|s| s.to_string()).collect();
+    inputs.extend((0..key.slot_inputs).map(|e| format!("e{e}")));
+    Signature {
+        name: format!(
+            "glm_swiglu_{design}_{stage_name}_n{}_s{}",
+            key.slot_inputs, key.shared_bytes
+        ),
+        body: format!("{}{}", (src.slot_prologue)(key.slot_inputs), body),
+        header: src.header,
+        inputs,
+        outputs,
+    }
+}
+
+fn kernel(cache: &Cache, backend: KernelBackend, key: KernelKey) -> Result<Rc<Kernel>> {
+    if let Some(k) = cache.kernels.borrow().get(&key) {
+        return Ok(Rc::clone(k));
+    }
+    let sig = signature(backend, &key);
+    let inputs: Vec<&str> = sig.inputs.iter().map(String::as_str).collect();
     let shared = match backend {
         KernelBackend::Cuda => {
             u32::try_from(key.shared_bytes).map_err(|_| KernelError::Unsupported {
@@ -211,17 +282,246 @@ fn kernel(cache: &Cache, backend: KernelBackend, key: KernelKey) -> Result<Rc<Ke
     let k = Rc::new(Kernel::new(
         backend,
         &KernelSpec {
-            name: &name,
+            name: &sig.name,
             input_names: &inputs,
-            output_names: outputs,
-            source: &source,
-            header: src.header,
+            output_names: sig.outputs,
+            source: &sig.body,
+            header: sig.header,
             ensure_row_contiguous: true,
             shared_memory: shared,
         },
     )?);
-    cache.borrow_mut().insert(key, Rc::clone(&k));
+    cache.kernels.borrow_mut().insert(key, Rc::clone(&k));
     Ok(k)
+}
+
+/// The C type a kernel parameter of `dtype` is declared with in the
+/// NVRTC-compiled source (bf16 / f16 as their bits: the kernels
+/// reinterpret them).
+fn c_type(dtype: Dtype) -> Result<&'static str> {
+    Ok(match dtype {
+        Dtype::Float32 => "float",
+        Dtype::Bfloat16 | Dtype::Float16 | Dtype::Uint16 => "uint16_t",
+        Dtype::Uint8 => "uint8_t",
+        Dtype::Uint32 => "uint32_t",
+        Dtype::Int32 => "int32_t",
+        Dtype::Int64 => "int64_t",
+        other => {
+            return Err(KernelError::Unsupported {
+                reason: format!("no CUDA parameter type for {other:?}"),
+            });
+        }
+    })
+}
+
+/// PTX target of a design: `mma.sync` with bf16 needs sm_80; the CUDA-core
+/// kernels run from sm_75 (the oldest target NVRTC 13 accepts).
+fn ptx_arch(kind: FusedKernel) -> &'static str {
+    match kind {
+        FusedKernel::TensorCore => "compute_80",
+        FusedKernel::CudaCore => "compute_75",
+    }
+}
+
+/// FNV-1a of `text` (names a source uniquely enough for a module cache).
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The whole translation unit NVRTC compiles for one specialization: the
+/// integer types, the header, then an `extern "C"` kernel whose parameters
+/// are the inputs then the outputs (MLX's argument order) and whose body
+/// starts with the template constants. Returns (entry point, source); the
+/// entry point carries a hash of the source, so one name never stands for
+/// two codes in MLX's module cache.
+pub(super) fn cuda_source(
+    key: &KernelKey,
+    template: &[(String, TemplateArg)],
+    input_dtypes: &[Dtype],
+    output_dtypes: &[Dtype],
+) -> Result<(String, String)> {
+    let sig = signature(KernelBackend::Cuda, key);
+    if input_dtypes.len() != sig.inputs.len() || output_dtypes.len() != sig.outputs.len() {
+        return Err(KernelError::Input(format!(
+            "{}: {} inputs / {} outputs given, {} / {} declared",
+            sig.name,
+            input_dtypes.len(),
+            output_dtypes.len(),
+            sig.inputs.len(),
+            sig.outputs.len()
+        )));
+    }
+    let mut params = Vec::with_capacity(sig.inputs.len() + sig.outputs.len());
+    for (n, d) in sig.inputs.iter().zip(input_dtypes) {
+        params.push(format!("    const {}* {n}", c_type(*d)?));
+    }
+    for (n, d) in sig.outputs.iter().zip(output_dtypes) {
+        params.push(format!("    {}* {n}", c_type(*d)?));
+    }
+    let mut constants = String::new();
+    for (n, a) in template {
+        let v = match *a {
+            TemplateArg::Int(v) => v.to_string(),
+            TemplateArg::Bool(b) => i32::from(b).to_string(),
+            TemplateArg::Dtype(d) => {
+                return Err(KernelError::Unsupported {
+                    reason: format!("dtype template argument {n} = {d:?}"),
+                });
+            }
+        };
+        constants.push_str(&format!("  constexpr int {n} = {v};\n"));
+    }
+    let body = format!(
+        "(\n{}) {{\n{constants}\n{}\n}}\n",
+        params.join(",\n"),
+        sig.body
+    );
+    let prelude = "typedef unsigned char uint8_t;\ntypedef unsigned short uint16_t;\n\
+                   typedef unsigned int uint32_t;\ntypedef int int32_t;\n\
+                   typedef long long int64_t;\n\n";
+    let hash = fnv1a(&format!("{prelude}{}{body}", sig.header));
+    let entry = format!("{}_{hash:016x}", sig.name);
+    let source = format!(
+        "{prelude}{}\nextern \"C\" __global__ void {entry}{body}",
+        sig.header
+    );
+    Ok((entry, source))
+}
+
+/// Adds one kernel launch to the graph: on CUDA with NVRTC at hand, our
+/// own PTX (compiled once per specialization) through MLX's
+/// `precompiled_cuda_kernel`; otherwise MLX's `cuda_kernel` /
+/// `metal_kernel`.
+fn run(
+    cache: &Cache,
+    backend: KernelBackend,
+    key: KernelKey,
+    inputs: &[&Array],
+    outputs: &[OutputSpec],
+    config: &LaunchConfig,
+) -> Result<Vec<Array>> {
+    match (&cache.nvrtc, backend) {
+        (Some(nvrtc), KernelBackend::Cuda) => {
+            let in_types: Vec<Dtype> = inputs.iter().map(|a| a.dtype()).collect();
+            let out_types: Vec<Dtype> = outputs.iter().map(|o| o.dtype).collect();
+            let values = config
+                .template
+                .iter()
+                .map(|(_, a)| match *a {
+                    TemplateArg::Int(v) => v,
+                    TemplateArg::Bool(b) => i32::from(b),
+                    TemplateArg::Dtype(d) => d.code(),
+                })
+                .collect();
+            let codes = in_types
+                .iter()
+                .chain(&out_types)
+                .map(|d| d.code())
+                .collect();
+            let spec: Specialization = (key, values, codes);
+            let cached = cache.ptx.borrow().get(&spec).cloned();
+            let kernel = match cached {
+                Some(k) => k,
+                None => {
+                    let (entry, source) =
+                        cuda_source(&key, &config.template, &in_types, &out_types)?;
+                    let started = std::time::Instant::now();
+                    let ptx = nvrtc.compile_ptx(&entry, &source, ptx_arch(key.kind))?;
+                    tracing::debug!(
+                        entry,
+                        ms = started.elapsed().as_secs_f64() * 1e3,
+                        "fused kernel compiled"
+                    );
+                    let k = Rc::new(PrecompiledKernel::new(&entry, &ptx)?);
+                    cache.ptx.borrow_mut().insert(spec, Rc::clone(&k));
+                    k
+                }
+            };
+            let shared = u32::try_from(key.shared_bytes).map_err(|_| KernelError::Unsupported {
+                reason: "shared memory size exceeds u32".into(),
+            })?;
+            Ok(kernel.call(inputs, outputs, config, shared)?)
+        }
+        _ => Ok(kernel(cache, backend, key)?.call(inputs, outputs, config)?),
+    }
+}
+
+/// Compiles, with `nvrtc` and without MLX, the kernels a call with `rows`
+/// rows and these experts would launch on CUDA (the design `kind`; x and y
+/// bf16 when `bf16`): their entry points. For CI on machines without a GPU.
+pub fn compile_cuda_kernels(
+    nvrtc: &Nvrtc,
+    geometry: &FusedGeometry,
+    kind: FusedKernel,
+    rows: usize,
+    experts: usize,
+    bf16: bool,
+) -> Result<Vec<String>> {
+    let (k1, k2) = launches(KernelBackend::Cuda, kind, geometry, None, rows, experts);
+    let n = slot_inputs(1);
+    let act = if bf16 && kind == FusedKernel::TensorCore {
+        Dtype::Bfloat16
+    } else {
+        Dtype::Float32
+    };
+    let slots = std::iter::repeat_n(Dtype::Uint8, n);
+    let mut entries = Vec::new();
+    for (stage, launch) in [(Stage::GateUp, k1), (Stage::Down, k2)] {
+        let key = KernelKey {
+            metal: false,
+            kind,
+            stage,
+            slot_inputs: n,
+            shared_bytes: launch.smem_floats * 4,
+        };
+        let tensor = kind == FusedKernel::TensorCore;
+        let (ins, outs): (Vec<Dtype>, Vec<Dtype>) = match stage {
+            Stage::GateUp if tensor => (
+                [act, Dtype::Int64]
+                    .into_iter()
+                    .chain(slots.clone())
+                    .collect(),
+                vec![Dtype::Float32, Dtype::Uint32],
+            ),
+            Stage::GateUp => (
+                [Dtype::Float32, Dtype::Int64]
+                    .into_iter()
+                    .chain(slots.clone())
+                    .collect(),
+                vec![Dtype::Float32],
+            ),
+            Stage::Down if tensor => (
+                [Dtype::Float32, Dtype::Float32, Dtype::Int64, Dtype::Uint32]
+                    .into_iter()
+                    .chain(slots.clone())
+                    .collect(),
+                vec![act, Dtype::Float32],
+            ),
+            Stage::Down => (
+                [Dtype::Float32, Dtype::Float32, Dtype::Int64]
+                    .into_iter()
+                    .chain(slots.clone())
+                    .collect(),
+                vec![Dtype::Float32],
+            ),
+        };
+        let bf = tensor.then_some(act == Dtype::Bfloat16);
+        let template = template_with(
+            KernelBackend::Cuda,
+            geometry,
+            experts,
+            rows,
+            stage,
+            &launch,
+            bf,
+        )?;
+        let (entry, source) = cuda_source(&key, &template, &ins, &outs)?;
+        nvrtc.compile_ptx(&entry, &source, ptx_arch(kind))?;
+        entries.push(entry);
+    }
+    Ok(entries)
 }
 
 fn int(name: &str, v: usize) -> Result<(String, TemplateArg)> {
@@ -328,17 +628,13 @@ fn gate_up(
 ) -> Result<Array> {
     let (experts, rows) = (offs.dim(0)? as usize, x.dim(0)? as usize);
     let slot_arrays = padded_slots(slots);
-    let k = kernel(
-        cache,
-        backend,
-        KernelKey {
-            metal: backend == KernelBackend::Metal,
-            kind: launch.kind,
-            stage: Stage::GateUp,
-            slot_inputs: slot_arrays.len(),
-            shared_bytes: launch.smem_floats * 4,
-        },
-    )?;
+    let key = KernelKey {
+        metal: backend == KernelBackend::Metal,
+        kind: launch.kind,
+        stage: Stage::GateUp,
+        slot_inputs: slot_arrays.len(),
+        shared_bytes: launch.smem_floats * 4,
+    };
     let mut inputs: Vec<&Array> = vec![x, offs];
     inputs.extend_from_slice(&slot_arrays);
     let config = LaunchConfig {
@@ -355,7 +651,7 @@ fn gate_up(
         shape: vec![experts as i32, rows as i32, g.inter as i32],
         dtype: Dtype::Float32,
     };
-    Ok(k.call(&inputs, &[out], &config)?.remove(0))
+    Ok(run(cache, backend, key, &inputs, &[out], &config)?.remove(0))
 }
 
 /// K2 from `h` (`[E, m, I]`) and weights (`[m, E]`, f32): CUDA returns the
@@ -374,17 +670,13 @@ fn down(
     let (experts, rows) = (offs.dim(0)? as usize, weights.dim(0)? as usize);
     let cuda = backend == KernelBackend::Cuda;
     let slot_arrays = padded_slots(slots);
-    let k = kernel(
-        cache,
-        backend,
-        KernelKey {
-            metal: !cuda,
-            kind: launch.kind,
-            stage: Stage::Down,
-            slot_inputs: slot_arrays.len(),
-            shared_bytes: launch.smem_floats * 4,
-        },
-    )?;
+    let key = KernelKey {
+        metal: !cuda,
+        kind: launch.kind,
+        stage: Stage::Down,
+        slot_inputs: slot_arrays.len(),
+        shared_bytes: launch.smem_floats * 4,
+    };
     let mut inputs: Vec<&Array> = vec![h, weights, offs];
     inputs.extend_from_slice(&slot_arrays);
     let config = LaunchConfig {
@@ -406,7 +698,7 @@ fn down(
         shape,
         dtype: Dtype::Float32,
     };
-    let y = k.call(&inputs, &[out], &config)?.remove(0);
+    let y = run(cache, backend, key, &inputs, &[out], &config)?.remove(0);
     Ok(if cuda { y.sum(&[0], false)? } else { y })
 }
 
@@ -422,17 +714,13 @@ fn gate_up_tensor(
 ) -> Result<(Array, Array)> {
     let (experts, rows) = (offs.dim(0)? as usize, x.dim(0)? as usize);
     let slot_arrays = padded_slots(slots);
-    let k = kernel(
-        cache,
-        KernelBackend::Cuda,
-        KernelKey {
-            metal: false,
-            kind: FusedKernel::TensorCore,
-            stage: Stage::GateUp,
-            slot_inputs: slot_arrays.len(),
-            shared_bytes: launch.smem_floats * 4,
-        },
-    )?;
+    let key = KernelKey {
+        metal: false,
+        kind: FusedKernel::TensorCore,
+        stage: Stage::GateUp,
+        slot_inputs: slot_arrays.len(),
+        shared_bytes: launch.smem_floats * 4,
+    };
     let mut inputs: Vec<&Array> = vec![x, offs];
     inputs.extend_from_slice(&slot_arrays);
     let bf16 = x.dtype() == Dtype::Bfloat16;
@@ -464,7 +752,7 @@ fn gate_up_tensor(
             dtype: Dtype::Uint32,
         },
     ];
-    let mut r = k.call(&inputs, &outs, &config)?;
+    let mut r = run(cache, KernelBackend::Cuda, key, &inputs, &outs, &config)?;
     let cnt = r.remove(1);
     Ok((r.remove(0), cnt))
 }
@@ -490,17 +778,13 @@ fn down_tensor(
 ) -> Result<Array> {
     let (experts, rows) = (offs.dim(0)? as usize, weights.dim(0)? as usize);
     let slot_arrays = padded_slots(slots);
-    let k = kernel(
-        cache,
-        KernelBackend::Cuda,
-        KernelKey {
-            metal: false,
-            kind: FusedKernel::TensorCore,
-            stage: Stage::Down,
-            slot_inputs: slot_arrays.len(),
-            shared_bytes: launch.smem_floats * 4,
-        },
-    )?;
+    let key = KernelKey {
+        metal: false,
+        kind: FusedKernel::TensorCore,
+        stage: Stage::Down,
+        slot_inputs: slot_arrays.len(),
+        shared_bytes: launch.smem_floats * 4,
+    };
     let mut inputs: Vec<&Array> = vec![h, weights, offs, cnt];
     inputs.extend_from_slice(&slot_arrays);
     let config = LaunchConfig {
@@ -531,7 +815,7 @@ fn down_tensor(
             dtype: Dtype::Float32,
         },
     ];
-    Ok(k.call(&inputs, &outs, &config)?.remove(0))
+    Ok(run(cache, KernelBackend::Cuda, key, &inputs, &outs, &config)?.remove(0))
 }
 
 /// The launch shapes of K1 and K2 for `rows` rows.

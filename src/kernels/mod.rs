@@ -43,8 +43,9 @@
 //!
 //!   Accumulation is f32; int4 is `(n − 8)·scale` (group scales per 32- or
 //!   128-column piece, per-row scales at the end), int8 `q·scale` per row.
-//!   The CUDA sources are compiled by MLX (NVRTC) on first use and cached
-//!   per (design, stage, M, format, dims, launch shape); the expert count is
+//!   The CUDA sources are compiled by MLX (NVRTC) on first use, or, opted
+//!   into with `GLM_STREAM_NVRTC`, by the crate itself ([`nvrtc`]), and
+//!   cached per (design, stage, M, format, dims, launch shape); the expert count is
 //!   read from the grid and the slot inputs padded to a power of two (≥ 8),
 //!   so wave sizes share kernels. The Metal twin (`*.metal`) follows the
 //!   CUDA-core design (K2 summing all experts per threadgroup, no tuning)
@@ -68,17 +69,15 @@
 mod cuda;
 mod fused;
 mod metal;
+pub mod nvrtc;
 pub mod select;
 pub(crate) mod stock;
-
-use std::cell::RefCell;
-use std::collections::HashMap;
 
 use crate::experts::SlotLayout;
 use crate::experts::layout::ProjectionLayout;
 use crate::mlx::{Array, Dtype, KernelBackend, MlxError};
 
-pub use fused::{FusedKernel, FusedTuning};
+pub use fused::{FusedKernel, FusedTuning, compile_cuda_kernels};
 pub use select::{Environment, FusedGeometry, Path};
 
 /// An error from the expert kernels.
@@ -102,6 +101,9 @@ pub enum KernelError {
     /// MLX failed (graph construction or kernel compilation).
     #[error(transparent)]
     Mlx(#[from] MlxError),
+    /// Compiling a CUDA kernel with NVRTC failed.
+    #[error(transparent)]
+    Nvrtc(#[from] nvrtc::NvrtcError),
 }
 
 /// Result alias for this module.
@@ -179,7 +181,7 @@ impl<'a> ExpertSlot<'a> {
 pub struct FusedExperts {
     family: KernelFamily,
     environment: Environment,
-    kernels: RefCell<HashMap<fused::KernelKey, std::rc::Rc<crate::mlx::Kernel>>>,
+    kernels: fused::Compiler,
     tuning: Option<FusedTuning>,
 }
 
@@ -205,7 +207,7 @@ impl FusedExperts {
         Ok(Self {
             family,
             environment,
-            kernels: RefCell::new(HashMap::new()),
+            kernels: fused::Compiler::new(environment.fused_backend),
             tuning: None,
         })
     }
@@ -228,7 +230,15 @@ impl FusedExperts {
     /// How many fused kernels this runner has compiled (one per design,
     /// stage, row count, format and launch shape; not per expert count).
     pub fn compiled_kernels(&self) -> usize {
-        self.kernels.borrow().len()
+        self.kernels.len()
+    }
+
+    /// Whether this runner compiles its CUDA kernels itself with NVRTC
+    /// (opt-in with `GLM_STREAM_NVRTC`; PTX handed to MLX's
+    /// `precompiled_cuda_kernel`, see [`nvrtc`]) rather than through MLX's
+    /// `cuda_kernel` (the default).
+    pub fn compiles_with_nvrtc(&self) -> bool {
+        self.kernels.uses_nvrtc()
     }
 
     /// The requested family.
@@ -313,7 +323,8 @@ impl std::fmt::Debug for FusedExperts {
             .field("family", &self.family)
             .field("environment", &self.environment)
             .field("tuning", &self.tuning)
-            .field("cached_kernels", &self.kernels.borrow().len())
+            .field("cached_kernels", &self.kernels.len())
+            .field("nvrtc", &self.kernels.uses_nvrtc())
             .finish()
     }
 }

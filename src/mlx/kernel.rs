@@ -233,6 +233,98 @@ impl Kernel {
     }
 }
 
+/// A CUDA kernel compiled by the caller (PTX or cubin), launched through
+/// MLX's `precompiled_cuda_kernel`: entry point `name`, arguments the inputs
+/// then the outputs. MLX loads the module once per name, so a name must
+/// always come with the same code. The code is kept here and passed by
+/// reference on each call.
+pub struct PrecompiledKernel {
+    raw: std::ptr::NonNull<sys::mlxs_cuda_binary>,
+    name: String,
+}
+
+impl PrecompiledKernel {
+    /// Wraps `code` (PTX text with its NUL, or a cubin) with entry `name`.
+    pub fn new(name: &str, code: &[u8]) -> Result<Self> {
+        if !KernelBackend::Cuda.compiled_in() {
+            return Err(MlxError::BackendUnavailable {
+                backend: "cuda",
+                reason: "glm-stream was built without the `cuda` feature".into(),
+            });
+        }
+        let name_c = cstring("precompiled kernel", name)?;
+        let mut raw = std::ptr::null_mut();
+        ffi!(
+            "precompiled kernel",
+            sys::mlxs_cuda_binary_new(&mut raw, name_c.as_ptr(), code.as_ptr().cast(), code.len())
+        )?;
+        let raw = std::ptr::NonNull::new(raw)
+            .ok_or_else(|| MlxError::invalid("precompiled kernel", "null handle"))?;
+        Ok(Self {
+            raw,
+            name: name.to_string(),
+        })
+    }
+
+    /// The entry point.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Adds a launch to the graph on `launch.grid` threads (MLX semantics)
+    /// with `shared_memory` bytes of dynamic shared memory (template
+    /// arguments do not apply: the code is already specialized). A libmlx
+    /// without CUDA fails here with MLX's message.
+    pub fn call(
+        &self,
+        inputs: &[&Array],
+        outputs: &[OutputSpec],
+        launch: &LaunchConfig,
+        shared_memory: u32,
+    ) -> Result<Vec<Array>> {
+        let h = handle_list(inputs);
+        let shapes: Vec<i32> = outputs
+            .iter()
+            .flat_map(|o| o.shape.iter().copied())
+            .collect();
+        let ndims: Vec<usize> = outputs.iter().map(|o| o.shape.len()).collect();
+        let dtypes: Vec<i32> = outputs.iter().map(|o| o.dtype.code()).collect();
+        let smem = i32::try_from(shared_memory).map_err(|_| {
+            MlxError::invalid("precompiled kernel", "shared memory size exceeds i32")
+        })?;
+        let mut outs = vec![std::ptr::null_mut(); outputs.len()];
+        ffi!(
+            "precompiled kernel",
+            sys::mlxs_cuda_binary_call(
+                self.raw.as_ptr(),
+                h.as_ptr(),
+                h.len(),
+                shapes.as_ptr(),
+                ndims.as_ptr(),
+                dtypes.as_ptr(),
+                outputs.len(),
+                launch.grid.as_ptr(),
+                launch.threadgroup.as_ptr(),
+                smem,
+                launch.init_value.is_some() as i32,
+                launch.init_value.unwrap_or(0.0),
+                1,
+                outs.as_mut_ptr()
+            )
+        )?;
+        outs.into_iter()
+            .map(|p| Array::from_raw("precompiled kernel", p))
+            .collect()
+    }
+}
+
+impl Drop for PrecompiledKernel {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from the shim and is freed exactly once.
+        unsafe { sys::mlxs_cuda_binary_free(self.raw.as_ptr()) }
+    }
+}
+
 impl Drop for Kernel {
     fn drop(&mut self) {
         // SAFETY: the kernel came from the shim and is freed exactly once.

@@ -38,7 +38,9 @@ pub use device::{
 pub use dtype::{Dtype, Element};
 pub use error::{MlxError, Result};
 pub use io::{SafetensorsFile, load_safetensors};
-pub use kernel::{Kernel, KernelBackend, KernelSpec, LaunchConfig, OutputSpec, TemplateArg};
+pub use kernel::{
+    Kernel, KernelBackend, KernelSpec, LaunchConfig, OutputSpec, PrecompiledKernel, TemplateArg,
+};
 pub use ops::{arange, checked_indices, concatenate, full, stack, r#where, zeros};
 pub use quantized::{
     MLX_GROUP_SIZES, dequantize, gather_mm, gather_qmm, quantize, quantized_matmul,

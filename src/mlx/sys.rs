@@ -14,6 +14,10 @@ pub struct mlxs_kernel {
     _private: [u8; 0],
 }
 #[repr(C)]
+pub struct mlxs_cuda_binary {
+    _private: [u8; 0],
+}
+#[repr(C)]
 pub struct mlxs_safetensors {
     _private: [u8; 0],
 }
@@ -249,6 +253,30 @@ unsafe extern "C" {
         n_tmpl: usize,
         has_init: c_int,
         init_value: f32,
+        outs: *mut *mut A,
+    ) -> c_int;
+
+    pub fn mlxs_cuda_binary_new(
+        out: *mut *mut mlxs_cuda_binary,
+        name: *const c_char,
+        code: *const c_char,
+        code_len: usize,
+    ) -> c_int;
+    pub fn mlxs_cuda_binary_free(b: *mut mlxs_cuda_binary);
+    pub fn mlxs_cuda_binary_call(
+        b: *const mlxs_cuda_binary,
+        inputs: *const *const A,
+        n_in: usize,
+        out_shapes_flat: *const i32,
+        out_ndims: *const usize,
+        out_dtypes: *const c_int,
+        n_out: usize,
+        grid: *const i32,
+        threadgroup: *const i32,
+        shared_memory: c_int,
+        has_init: c_int,
+        init_value: f32,
+        ensure_row_contiguous: c_int,
         outs: *mut *mut A,
     ) -> c_int;
 
