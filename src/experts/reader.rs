@@ -7,7 +7,7 @@
 //! straight into host-visible slot memory; a GPU build can stage through
 //! pinned memory and copy instead.
 //!
-//! Reads run on a small pool of std threads ([`IoPool`]): expert reads are
+//! Reads run on a small pool of std threads (`IoPool`): expert reads are
 //! blocking `pread`s of ~20 MB, so a handful of OS threads keeps several in
 //! flight without an async runtime (tokio's file I/O would run the same
 //! blocking calls on its own thread pool).

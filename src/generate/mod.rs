@@ -75,7 +75,7 @@ pub trait LanguageModel {
     /// Tokens held in `cache`.
     fn cache_len(cache: &Self::Cache) -> usize;
     /// Runs `ids` at positions cache_len.. and appends them to the cache. Returns float32 logits:
-    /// all rows [ids.len() × vocab] row-major if `all_rows`, else only the last row [vocab].
+    /// all rows `[ids.len() × vocab]` row-major if `all_rows`, else only the last row `[vocab]`.
     fn forward(
         &mut self,
         ids: &[u32],
