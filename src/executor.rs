@@ -58,8 +58,7 @@
 //! [`ExecutorOptions::fused_max_rows`] rows is computed by the fused Q4/Q8
 //! kernels ([`crate::kernels::FusedExperts`]) straight from the slot bytes
 //! instead (each slot read inside its arena at its offset, so no per-expert
-//! view is built): each batch of experts that becomes
-//! resident together (all hits at once, then each miss as it lands) is one
+//! view is built): each batch of experts that becomes resident together (all hits at once, then each miss as it lands) is one
 //! fused call over every row of `x`, with routing weights `[rows, experts]`
 //! that are zero where a row does not use an expert; the call's `[rows,
 //! hidden]` output already is the routing-weighted sum, so the wave's
@@ -69,8 +68,8 @@
 //!
 //! `Auto` resolves to the stock path on a CPU device or a build without a
 //! fused backend, for formats the fused kernels do not handle and for larger
-//! batches; `Fused` / `FusedSimt` are checked when the executor is built (an error names
-//! what is missing) and then used for every wave of at most
+//! batches; `Fused` / `FusedSimt` are checked when the executor is built
+//! (an error names what is missing) and then used for every wave of at most
 //! `fused_max_rows` rows. Larger (prefill) batches always take the stock
 //! path. [`ExecutorTelemetry::fused_waves`] counts the waves that ran fused.
 //!

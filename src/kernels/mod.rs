@@ -25,8 +25,10 @@
 //!   gate and up of all experts in one launch (one expert per `blockIdx.y`)
 //!   and writes `h = silu(g)·u` (f32 `[E, M, I]`); K2 runs one expert per
 //!   `blockIdx.y`, stages that expert's `h` and writes its routing-weighted
-//!   down projection (`[E, M, H]`), which MLX sums over experts in a fixed
-//!   order (results do not depend on scheduling). Weights stream in 16-byte
+//!   down projection (`[E, M, H]`), summed over experts in expert order (by
+//!   the tensor-core K2's last block per row range, or by MLX after the
+//!   CUDA-core K2): no atomics, so results do not depend on scheduling.
+//!   Weights stream in 16-byte
 //!   chunks (`ld.global.nc`, not kept in L1) and each weight is decoded once
 //!   for all M rows. Two designs ([`FusedKernel`]):
 //!   - **tensor cores** (CUDA, int4; `swiglu_mma_*.cu`): `mma.sync`
@@ -45,14 +47,15 @@
 //!   128-column piece, per-row scales at the end), int8 `q·scale` per row.
 //!   The CUDA sources are compiled by MLX (NVRTC) on first use, or, opted
 //!   into with `GLM_STREAM_NVRTC`, by the crate itself ([`nvrtc`]), and
-//!   cached per (design, stage, M, format, dims, launch shape); the expert count is
-//!   read from the grid and the slot inputs padded to a power of two (≥ 8),
-//!   so wave sizes share kernels. The Metal twin (`*.metal`) follows the
+//!   cached per (design, stage, M, format, dims, launch shape); the expert
+//!   count is read from the grid and the slot inputs padded to a power of
+//!   two (≥ 8), so wave sizes share kernels. The Metal twin (`*.metal`) follows the
 //!   CUDA-core design (K2 summing all experts per threadgroup, no tuning)
 //!   and is **untested** (no Mac).
 //!
-//! [`KernelFamily`] pins a path: `Stock`, `Fused` / `FusedSimt` (an error when this build
-//! or device cannot run it, never a silent fallback) or `Auto` (fused on a
+//! [`KernelFamily`] pins a path: `Stock`, `Fused` / `FusedSimt` (an error
+//! when this build or device cannot run it, never a silent fallback) or
+//! `Auto` (fused on a
 //! GPU build with a GPU default device and at most [`select::AUTO_MAX_ROWS`]
 //! rows, stock otherwise). See [`select`] for the rules.
 //!
