@@ -607,6 +607,31 @@ int mlxs_sdpa(
 
 // -------------------------------------------------------- custom kernels ---
 
+// Output shapes (concatenated, with each rank) and dtype codes of a kernel
+// call as MLX takes them.
+static std::pair<std::vector<mx::Shape>, std::vector<mx::Dtype>> output_specs(
+    const int32_t* shapes_flat, const size_t* ndims, const int* dtype_codes, size_t n) {
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  size_t pos = 0;
+  for (size_t i = 0; i < n; ++i) {
+    shapes.push_back(to_shape(shapes_flat + pos, ndims[i]));
+    pos += ndims[i];
+    dtypes.push_back(to_dtype(dtype_codes[i]));
+  }
+  return {std::move(shapes), std::move(dtypes)};
+}
+
+// Hands a kernel call's `n` outputs to the caller.
+static void box_outputs(const std::vector<Arr>& r, size_t n, Arr** outs) {
+  if (r.size() != n) {
+    throw std::runtime_error("kernel returned an unexpected number of outputs");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    outs[i] = boxed(r[i]);
+  }
+}
+
 void mlxs_kernel_free(mlxs_kernel* k) { delete k; }
 
 // backend: 0 = Metal, 1 = CUDA. `extra` is atomic_outputs (Metal, as 0/1) or
@@ -639,14 +664,7 @@ int mlxs_kernel_call(
     const char* const* tmpl_names, const int* tmpl_kinds, const int32_t* tmpl_values,
     size_t n_tmpl, int has_init, float init_value, Arr** outs) {
   return guarded([&] {
-    std::vector<mx::Shape> shapes;
-    std::vector<mx::Dtype> dtypes;
-    size_t pos = 0;
-    for (size_t i = 0; i < n_out; ++i) {
-      shapes.push_back(to_shape(out_shapes_flat + pos, out_ndims[i]));
-      pos += out_ndims[i];
-      dtypes.push_back(to_dtype(out_dtypes[i]));
-    }
+    auto [shapes, dtypes] = output_specs(out_shapes_flat, out_ndims, out_dtypes, n_out);
     std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl;
     for (size_t i = 0; i < n_tmpl; ++i) {
       switch (tmpl_kinds[i]) {
@@ -663,12 +681,7 @@ int mlxs_kernel_call(
     std::vector<Arr> r = k->fn(
         to_vec(inputs, n_in), shapes, dtypes, {grid[0], grid[1], grid[2]},
         {threadgroup[0], threadgroup[1], threadgroup[2]}, tmpl, init, false, {});
-    if (r.size() != n_out) {
-      throw std::runtime_error("kernel returned an unexpected number of outputs");
-    }
-    for (size_t i = 0; i < n_out; ++i) {
-      outs[i] = boxed(r[i]);
-    }
+    box_outputs(r, n_out, outs);
   });
 }
 
@@ -692,14 +705,7 @@ int mlxs_cuda_binary_call(
     size_t n_out, const int32_t* grid, const int32_t* threadgroup, int shared_memory,
     int has_init, float init_value, int ensure_row_contiguous, Arr** outs) {
   return guarded([&] {
-    std::vector<mx::Shape> shapes;
-    std::vector<mx::Dtype> dtypes;
-    size_t pos = 0;
-    for (size_t i = 0; i < n_out; ++i) {
-      shapes.push_back(to_shape(out_shapes_flat + pos, out_ndims[i]));
-      pos += out_ndims[i];
-      dtypes.push_back(to_dtype(out_dtypes[i]));
-    }
+    auto [shapes, dtypes] = output_specs(out_shapes_flat, out_ndims, out_dtypes, n_out);
     std::optional<float> init;
     if (has_init != 0) {
       init = init_value;
@@ -708,12 +714,7 @@ int mlxs_cuda_binary_call(
         b->name, b->code, to_vec(inputs, n_in), shapes,
         dtypes, {}, {grid[0], grid[1], grid[2]}, {threadgroup[0], threadgroup[1], threadgroup[2]},
         shared_memory, init, ensure_row_contiguous != 0, {});
-    if (r.size() != n_out) {
-      throw std::runtime_error("kernel returned an unexpected number of outputs");
-    }
-    for (size_t i = 0; i < n_out; ++i) {
-      outs[i] = boxed(r[i]);
-    }
+    box_outputs(r, n_out, outs);
   });
 }
 

@@ -213,8 +213,6 @@ impl Compiler {
     }
 }
 
-type Cache = Compiler;
-
 /// Slot inputs of a launch over `arrays` distinct byte arrays (arenas or
 /// slot views): a power of two, at least [`MIN_SLOT_INPUTS`], so calls
 /// share compiled kernels.
@@ -265,7 +263,7 @@ fn signature(backend: KernelBackend, key: &KernelKey) -> Signature {
     }
 }
 
-fn kernel(cache: &Cache, backend: KernelBackend, key: KernelKey) -> Result<Rc<Kernel>> {
+fn kernel(cache: &Compiler, backend: KernelBackend, key: KernelKey) -> Result<Rc<Kernel>> {
     if let Some(k) = cache.kernels.borrow().get(&key) {
         return Ok(Rc::clone(k));
     }
@@ -395,7 +393,7 @@ pub(super) fn cuda_source(
 /// `precompiled_cuda_kernel`; otherwise MLX's `cuda_kernel` /
 /// `metal_kernel`.
 fn run(
-    cache: &Cache,
+    cache: &Compiler,
     backend: KernelBackend,
     key: KernelKey,
     inputs: &[&Array],
@@ -508,7 +506,7 @@ pub fn compile_cuda_kernels(
             ),
         };
         let bf = tensor.then_some(act == Dtype::Bfloat16);
-        let template = template_with(
+        let template = template(
             KernelBackend::Cuda,
             geometry,
             experts,
@@ -544,21 +542,9 @@ struct Launch {
 /// Template arguments of a stage. CUDA reads the expert count from the grid
 /// (so it is not a template argument there); the Metal kernels loop over
 /// `EXPERTS`. `ROWS`, `BITS` and `SMEM_FLOATS` are unused by the tensor-core
-/// kernels and left out for them.
+/// kernels and left out for them, which instead take whether the activation
+/// (`x` in K1, `y` in K2) is bf16 (`XBF16` / `YBF16`, from `bf16`).
 fn template(
-    backend: KernelBackend,
-    g: &FusedGeometry,
-    experts: usize,
-    rows: usize,
-    stage: Stage,
-    launch: &Launch,
-) -> Result<Vec<(String, TemplateArg)>> {
-    template_with(backend, g, experts, rows, stage, launch, None)
-}
-
-/// [`template`] plus, for the tensor-core kernels, whether the activation
-/// (`x` in K1, `y` in K2) is bf16 (`XBF16` / `YBF16`).
-fn template_with(
     backend: KernelBackend,
     g: &FusedGeometry,
     experts: usize,
@@ -616,9 +602,51 @@ fn padded_slots<'a>(slots: &[&'a Array]) -> Vec<&'a Array> {
     v
 }
 
+/// Adds one stage's launch to the graph: `first` (the stage's non-slot
+/// inputs) then the padded slot inputs; one block row per expert
+/// (`blockIdx.y`) except Metal's K2, which loops over the experts itself.
+/// `bf16` (tensor-core kernels only): whether the activation is bf16.
+#[allow(clippy::too_many_arguments)]
+fn launch_stage(
+    cache: &Compiler,
+    backend: KernelBackend,
+    g: &FusedGeometry,
+    stage: Stage,
+    launch: &Launch,
+    first: &[&Array],
+    slots: &[&Array],
+    experts: usize,
+    rows: usize,
+    outputs: &[OutputSpec],
+    bf16: Option<bool>,
+) -> Result<Vec<Array>> {
+    let slot_arrays = padded_slots(slots);
+    let key = KernelKey {
+        metal: backend == KernelBackend::Metal,
+        kind: launch.kind,
+        stage,
+        slot_inputs: slot_arrays.len(),
+        shared_bytes: launch.smem_floats * 4,
+    };
+    let mut inputs: Vec<&Array> = first.to_vec();
+    inputs.extend_from_slice(&slot_arrays);
+    let (out_rows, grid_y) = match stage {
+        Stage::GateUp => (g.inter, experts as i32),
+        Stage::Down if backend == KernelBackend::Metal => (g.hidden, 1),
+        Stage::Down => (g.hidden, experts as i32),
+    };
+    let config = LaunchConfig {
+        grid: [blocks(out_rows, WARPS * launch.rows_per_warp)?, grid_y, 1],
+        threadgroup: [THREADS, 1, 1],
+        template: template(backend, g, experts, rows, stage, launch, bf16)?,
+        init_value: None,
+    };
+    run(cache, backend, key, &inputs, outputs, &config)
+}
+
 /// K1: `h [E, m, I]` for the rows of `x` (`[m, H]`, f32).
 fn gate_up(
-    cache: &Cache,
+    cache: &Compiler,
     backend: KernelBackend,
     g: &FusedGeometry,
     launch: &Launch,
@@ -627,38 +655,33 @@ fn gate_up(
     slots: &[&Array],
 ) -> Result<Array> {
     let (experts, rows) = (offs.dim(0)? as usize, x.dim(0)? as usize);
-    let slot_arrays = padded_slots(slots);
-    let key = KernelKey {
-        metal: backend == KernelBackend::Metal,
-        kind: launch.kind,
-        stage: Stage::GateUp,
-        slot_inputs: slot_arrays.len(),
-        shared_bytes: launch.smem_floats * 4,
-    };
-    let mut inputs: Vec<&Array> = vec![x, offs];
-    inputs.extend_from_slice(&slot_arrays);
-    let config = LaunchConfig {
-        grid: [
-            blocks(g.inter, WARPS * launch.rows_per_warp)?,
-            experts as i32,
-            1,
-        ],
-        threadgroup: [THREADS, 1, 1],
-        template: template(backend, g, experts, rows, Stage::GateUp, launch)?,
-        init_value: None,
-    };
     let out = OutputSpec {
         shape: vec![experts as i32, rows as i32, g.inter as i32],
         dtype: Dtype::Float32,
     };
-    Ok(run(cache, backend, key, &inputs, &[out], &config)?.remove(0))
+    let first = [x, offs];
+    let mut r = launch_stage(
+        cache,
+        backend,
+        g,
+        Stage::GateUp,
+        launch,
+        &first,
+        slots,
+        experts,
+        rows,
+        &[out],
+        None,
+    )?;
+    Ok(r.remove(0))
 }
 
 /// K2 from `h` (`[E, m, I]`) and weights (`[m, E]`, f32): CUDA returns the
-/// per-expert weighted outputs `[E, m, H]`, Metal their sum `[m, H]`.
+/// per-expert weighted outputs summed in expert order by MLX, Metal the
+/// kernel's own sum; `[m, H]` either way.
 #[allow(clippy::too_many_arguments)]
 fn down(
-    cache: &Cache,
+    cache: &Compiler,
     backend: KernelBackend,
     g: &FusedGeometry,
     launch: &Launch,
@@ -669,26 +692,6 @@ fn down(
 ) -> Result<Array> {
     let (experts, rows) = (offs.dim(0)? as usize, weights.dim(0)? as usize);
     let cuda = backend == KernelBackend::Cuda;
-    let slot_arrays = padded_slots(slots);
-    let key = KernelKey {
-        metal: !cuda,
-        kind: launch.kind,
-        stage: Stage::Down,
-        slot_inputs: slot_arrays.len(),
-        shared_bytes: launch.smem_floats * 4,
-    };
-    let mut inputs: Vec<&Array> = vec![h, weights, offs];
-    inputs.extend_from_slice(&slot_arrays);
-    let config = LaunchConfig {
-        grid: [
-            blocks(g.hidden, WARPS * launch.rows_per_warp)?,
-            if cuda { experts as i32 } else { 1 },
-            1,
-        ],
-        threadgroup: [THREADS, 1, 1],
-        template: template(backend, g, experts, rows, Stage::Down, launch)?,
-        init_value: None,
-    };
     let shape = if cuda {
         vec![experts as i32, rows as i32, g.hidden as i32]
     } else {
@@ -698,14 +701,28 @@ fn down(
         shape,
         dtype: Dtype::Float32,
     };
-    let y = run(cache, backend, key, &inputs, &[out], &config)?.remove(0);
+    let first = [h, weights, offs];
+    let y = launch_stage(
+        cache,
+        backend,
+        g,
+        Stage::Down,
+        launch,
+        &first,
+        slots,
+        experts,
+        rows,
+        &[out],
+        None,
+    )?
+    .remove(0);
     Ok(if cuda { y.sum(&[0], false)? } else { y })
 }
 
 /// Tensor-core K1: `h [E, m, I]` (f32) and K2's zeroed completion counters
 /// from `x` (`[m, H]`, f32 or bf16).
 fn gate_up_tensor(
-    cache: &Cache,
+    cache: &Compiler,
     g: &FusedGeometry,
     launch: &Launch,
     x: &Array,
@@ -713,35 +730,6 @@ fn gate_up_tensor(
     slots: &[&Array],
 ) -> Result<(Array, Array)> {
     let (experts, rows) = (offs.dim(0)? as usize, x.dim(0)? as usize);
-    let slot_arrays = padded_slots(slots);
-    let key = KernelKey {
-        metal: false,
-        kind: FusedKernel::TensorCore,
-        stage: Stage::GateUp,
-        slot_inputs: slot_arrays.len(),
-        shared_bytes: launch.smem_floats * 4,
-    };
-    let mut inputs: Vec<&Array> = vec![x, offs];
-    inputs.extend_from_slice(&slot_arrays);
-    let bf16 = x.dtype() == Dtype::Bfloat16;
-    let config = LaunchConfig {
-        grid: [
-            blocks(g.inter, WARPS * launch.rows_per_warp)?,
-            experts as i32,
-            1,
-        ],
-        threadgroup: [THREADS, 1, 1],
-        template: template_with(
-            KernelBackend::Cuda,
-            g,
-            experts,
-            rows,
-            Stage::GateUp,
-            launch,
-            Some(bf16),
-        )?,
-        init_value: None,
-    };
     let outs = [
         OutputSpec {
             shape: vec![experts as i32, rows as i32, g.inter as i32],
@@ -752,7 +740,20 @@ fn gate_up_tensor(
             dtype: Dtype::Uint32,
         },
     ];
-    let mut r = run(cache, KernelBackend::Cuda, key, &inputs, &outs, &config)?;
+    let first = [x, offs];
+    let mut r = launch_stage(
+        cache,
+        KernelBackend::Cuda,
+        g,
+        Stage::GateUp,
+        launch,
+        &first,
+        slots,
+        experts,
+        rows,
+        &outs,
+        Some(x.dtype() == Dtype::Bfloat16),
+    )?;
     let cnt = r.remove(1);
     Ok((r.remove(0), cnt))
 }
@@ -766,7 +767,7 @@ fn down_blocks(g: &FusedGeometry) -> Result<i32> {
 /// summed in expert order inside the kernel.
 #[allow(clippy::too_many_arguments)]
 fn down_tensor(
-    cache: &Cache,
+    cache: &Compiler,
     g: &FusedGeometry,
     launch: &Launch,
     h: &Array,
@@ -777,34 +778,6 @@ fn down_tensor(
     dtype: Dtype,
 ) -> Result<Array> {
     let (experts, rows) = (offs.dim(0)? as usize, weights.dim(0)? as usize);
-    let slot_arrays = padded_slots(slots);
-    let key = KernelKey {
-        metal: false,
-        kind: FusedKernel::TensorCore,
-        stage: Stage::Down,
-        slot_inputs: slot_arrays.len(),
-        shared_bytes: launch.smem_floats * 4,
-    };
-    let mut inputs: Vec<&Array> = vec![h, weights, offs, cnt];
-    inputs.extend_from_slice(&slot_arrays);
-    let config = LaunchConfig {
-        grid: [
-            blocks(g.hidden, WARPS * launch.rows_per_warp)?,
-            experts as i32,
-            1,
-        ],
-        threadgroup: [THREADS, 1, 1],
-        template: template_with(
-            KernelBackend::Cuda,
-            g,
-            experts,
-            rows,
-            Stage::Down,
-            launch,
-            Some(dtype == Dtype::Bfloat16),
-        )?,
-        init_value: None,
-    };
     let outs = [
         OutputSpec {
             shape: vec![rows as i32, g.hidden as i32],
@@ -815,7 +788,21 @@ fn down_tensor(
             dtype: Dtype::Float32,
         },
     ];
-    Ok(run(cache, KernelBackend::Cuda, key, &inputs, &outs, &config)?.remove(0))
+    let first = [h, weights, offs, cnt];
+    Ok(launch_stage(
+        cache,
+        KernelBackend::Cuda,
+        g,
+        Stage::Down,
+        launch,
+        &first,
+        slots,
+        experts,
+        rows,
+        &outs,
+        Some(dtype == Dtype::Bfloat16),
+    )?
+    .remove(0))
 }
 
 /// The launch shapes of K1 and K2 for `rows` rows.
@@ -886,7 +873,7 @@ fn launches(
 /// The fused forward (inputs already checked, geometry planned).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
-    cache: &Cache,
+    cache: &Compiler,
     backend: KernelBackend,
     kind: FusedKernel,
     g: &FusedGeometry,

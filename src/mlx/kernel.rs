@@ -79,6 +79,18 @@ pub struct KernelSpec<'a> {
     pub shared_memory: u32,
 }
 
+/// Outputs as the shim takes them: all shapes concatenated, each rank, each
+/// dtype code.
+fn flat_outputs(outputs: &[OutputSpec]) -> (Vec<i32>, Vec<usize>, Vec<i32>) {
+    let shapes = outputs
+        .iter()
+        .flat_map(|o| o.shape.iter().copied())
+        .collect();
+    let ndims = outputs.iter().map(|o| o.shape.len()).collect();
+    let dtypes = outputs.iter().map(|o| o.dtype.code()).collect();
+    (shapes, ndims, dtypes)
+}
+
 /// A compiled-on-first-use custom kernel.
 pub struct Kernel {
     raw: std::ptr::NonNull<sys::mlxs_kernel>,
@@ -184,12 +196,7 @@ impl Kernel {
             ));
         }
         let h = handle_list(inputs);
-        let shapes: Vec<i32> = outputs
-            .iter()
-            .flat_map(|o| o.shape.iter().copied())
-            .collect();
-        let ndims: Vec<usize> = outputs.iter().map(|o| o.shape.len()).collect();
-        let dtypes: Vec<i32> = outputs.iter().map(|o| o.dtype.code()).collect();
+        let (shapes, ndims, dtypes) = flat_outputs(outputs);
         let names = launch
             .template
             .iter()
@@ -283,12 +290,7 @@ impl PrecompiledKernel {
         shared_memory: u32,
     ) -> Result<Vec<Array>> {
         let h = handle_list(inputs);
-        let shapes: Vec<i32> = outputs
-            .iter()
-            .flat_map(|o| o.shape.iter().copied())
-            .collect();
-        let ndims: Vec<usize> = outputs.iter().map(|o| o.shape.len()).collect();
-        let dtypes: Vec<i32> = outputs.iter().map(|o| o.dtype.code()).collect();
+        let (shapes, ndims, dtypes) = flat_outputs(outputs);
         let smem = i32::try_from(shared_memory).map_err(|_| {
             MlxError::invalid("precompiled kernel", "shared memory size exceeds i32")
         })?;
