@@ -2,8 +2,9 @@
 //!
 //! MLX's `cuda_kernel` compiles each custom kernel with NVRTC on first use
 //! in every process, wrapping it in MLX's device headers, and MLX 0.32.4
-//! does not keep custom kernels in its PTX disk cache: 1.2–1.5 s per kernel
-//! on the H200 (benches/RESULTS.md, kernels3). The kernels here need no
+//! does not keep custom kernels in its PTX disk cache: 2.6–2.9 s for the
+//! gate/up + down pair at the first decode token on the H200
+//! (benches/RESULTS.md, kernels3). The kernels here need no
 //! MLX header, so compiling them alone to PTX takes a fraction of that, and
 //! the CUDA driver caches the PTX → SASS step across processes. The PTX is
 //! handed to MLX's `precompiled_cuda_kernel`.
